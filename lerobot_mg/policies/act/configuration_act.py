@@ -1,0 +1,122 @@
+"""ACT configuration: the policy's hyper-parameters and the Hydra schema of the `policy` group.
+
+Only plain types appear here (int, float, bool, str, lists and dicts of them, Optional) because the
+same dataclass is registered in Hydra's ConfigStore and must survive an OmegaConf round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FEATURE_TYPES = ("VISUAL", "STATE", "ENV", "ACTION")
+NORMALIZATION_MODES = ("MEAN_STD", "MIN_MAX", "IDENTITY")
+FEEDFORWARD_ACTIVATIONS = ("relu", "gelu")
+
+
+def _default_normalization_mapping() -> dict[str, str]:
+    return {"VISUAL": "MEAN_STD", "STATE": "MEAN_STD", "ENV": "MEAN_STD", "ACTION": "MEAN_STD"}
+
+
+def _default_vision_channels() -> list[int]:
+    # Stage widths of our own small ResNet-style backbone (one BasicBlock per stage, total stride 16).
+    # Trained from scratch: no downloaded weights.
+    return [32, 64, 128, 256]
+
+
+@dataclass
+class ACTConfig:
+    """Action Chunking Transformer (Zhao et al. 2023), LeRobot-compatible field names."""
+
+    type: str = "act"
+    # Dataset keys fed to the policy; None means every `observation.*` key of the dataset.
+    observation_keys: list[str] | None = None
+    chunk_size: int = 100
+    n_action_steps: int = 100
+    dim_model: int = 512
+    n_heads: int = 8
+    dim_feedforward: int = 3200
+    feedforward_activation: str = "relu"
+    n_encoder_layers: int = 4
+    # The original ACT code builds 7 decoder layers but only runs the first one; 1 matches its behaviour.
+    n_decoder_layers: int = 1
+    pre_norm: bool = False
+    use_vae: bool = True
+    latent_dim: int = 32
+    n_vae_encoder_layers: int = 4
+    dropout: float = 0.1
+    kl_weight: float = 10.0
+    vision_channels: list[int] = field(default_factory=_default_vision_channels)
+    # Normalisation mode per feature type: MEAN_STD, MIN_MAX (to [-1, 1]) or IDENTITY.
+    normalization_mapping: dict[str, str] = field(default_factory=_default_normalization_mapping)
+
+    @property
+    def action_delta_indices(self) -> list[int]:
+        """Frame offsets of the action chunk the dataset must load for each sample."""
+        return list(range(self.chunk_size))
+
+    def validate(self) -> None:
+        """Raise a ValueError naming `policy.<field>`, the bad value and the fix."""
+        if self.type != "act":
+            raise ValueError(f"policy.type={self.type!r} does not match ACTConfig; use policy=act.")
+        positive_ints = {
+            "chunk_size": self.chunk_size,
+            "n_action_steps": self.n_action_steps,
+            "dim_model": self.dim_model,
+            "n_heads": self.n_heads,
+            "dim_feedforward": self.dim_feedforward,
+            "n_encoder_layers": self.n_encoder_layers,
+            "n_decoder_layers": self.n_decoder_layers,
+            "latent_dim": self.latent_dim,
+        }
+        if self.use_vae:
+            positive_ints["n_vae_encoder_layers"] = self.n_vae_encoder_layers
+        for name, value in positive_ints.items():
+            if value < 1:
+                raise ValueError(f"policy.{name}={value} must be >= 1; pass e.g. policy.{name}=1.")
+        if self.n_action_steps > self.chunk_size:
+            raise ValueError(
+                f"policy.n_action_steps={self.n_action_steps} exceeds policy.chunk_size={self.chunk_size}: "
+                f"a chunk cannot feed more steps than it holds. Set policy.n_action_steps<={self.chunk_size}."
+            )
+        if self.dim_model % self.n_heads != 0:
+            raise ValueError(
+                f"policy.dim_model={self.dim_model} is not divisible by policy.n_heads={self.n_heads}; "
+                "choose values such that dim_model % n_heads == 0 (e.g. policy.n_heads=8 with dim_model=512)."
+            )
+        if self.feedforward_activation not in FEEDFORWARD_ACTIVATIONS:
+            raise ValueError(
+                f"policy.feedforward_activation={self.feedforward_activation!r} is not one of "
+                f"{list(FEEDFORWARD_ACTIVATIONS)}; pass e.g. policy.feedforward_activation=relu."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(
+                f"policy.dropout={self.dropout} must be in [0, 1); pass e.g. policy.dropout=0.1."
+            )
+        if self.kl_weight < 0:
+            raise ValueError(
+                f"policy.kl_weight={self.kl_weight} must be >= 0; pass e.g. policy.kl_weight=10."
+            )
+        if not self.vision_channels or any(width < 1 for width in self.vision_channels):
+            raise ValueError(
+                f"policy.vision_channels={list(self.vision_channels)} needs at least one positive stage width; "
+                "pass e.g. policy.vision_channels=[32,64,128,256]."
+            )
+        for feature_type, mode in self.normalization_mapping.items():
+            if feature_type not in FEATURE_TYPES:
+                raise ValueError(
+                    f"policy.normalization_mapping has unknown feature type {feature_type!r}; "
+                    f"use one of {list(FEATURE_TYPES)}."
+                )
+            if mode not in NORMALIZATION_MODES:
+                raise ValueError(
+                    f"policy.normalization_mapping.{feature_type}={mode!r} is not one of "
+                    f"{list(NORMALIZATION_MODES)}; pass e.g. policy.normalization_mapping.{feature_type}=MEAN_STD."
+                )
+        if self.observation_keys is not None:
+            bad_keys = [key for key in self.observation_keys if not key.startswith("observation.")]
+            if not self.observation_keys or bad_keys:
+                raise ValueError(
+                    f"policy.observation_keys={list(self.observation_keys)} must be a non-empty list of "
+                    "`observation.*` dataset keys; pass e.g. policy.observation_keys=[observation.state] "
+                    "or policy.observation_keys=null for all of them."
+                )

@@ -1,0 +1,228 @@
+"""The policy base class (save/load, action queue, FSDP wrap units) and dataset -> policy features.
+
+A feature spec is `{"type": "STATE" | "ENV" | "VISUAL" | "ACTION", "shape": [...]}` keyed by dataset key.
+Policies see batches that the preprocessor already normalised and emit actions in normalised space; the
+postprocessor maps them back (see lerobot_mg.processors).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections import deque
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypedDict
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+_CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
+
+
+class FeatureSpec(TypedDict):
+    type: str
+    shape: list[int]
+
+
+class PolicyConfig(Protocol):
+    """What the base class needs from a policy config dataclass."""
+
+    type: str
+    n_action_steps: int
+    normalization_mapping: dict[str, str]
+
+    def validate(self) -> None: ...
+
+
+def _visual_shape_chw(key: str, spec: dict[str, Any]) -> list[int]:
+    shape = [int(size) for size in spec["shape"]]
+    if len(shape) != 3:
+        raise ValueError(
+            f"Image feature {key!r} has shape {shape}; expected 3 dims (height, width, channel)."
+        )
+    names = spec.get("names")
+    # LeRobot writes images as HWC; some older datasets name the axes CHW. Trust names when present.
+    if isinstance(names, list) and len(names) == 3 and str(names[0]).lower() in _CHANNEL_AXIS_NAMES:
+        return shape
+    height, width, num_channels = shape
+    return [num_channels, height, width]
+
+
+def features_from_dataset(
+    dataset_features: dict[str, dict[str, Any]], observation_keys: list[str] | None
+) -> tuple[dict[str, FeatureSpec], dict[str, FeatureSpec]]:
+    """Map LeRobot `info.json` features to policy (input_features, output_features).
+
+    `observation_keys=None` selects every `observation.*` key. Images/videos become VISUAL with shape C,H,W.
+    """
+    available = [key for key in dataset_features if key.startswith("observation.")]
+    if observation_keys is None:
+        selected = available
+    else:
+        missing = [key for key in observation_keys if key not in dataset_features]
+        if missing:
+            raise ValueError(
+                f"policy.observation_keys names {missing}, which the dataset does not have; "
+                f"available observation keys: {available}."
+            )
+        selected = list(observation_keys)
+    if not selected:
+        raise ValueError(
+            f"The dataset has no observation features (keys: {sorted(dataset_features)}); a policy needs at "
+            "least one `observation.*` input."
+        )
+    if "action" not in dataset_features:
+        raise ValueError(f"The dataset has no `action` feature (keys: {sorted(dataset_features)}).")
+
+    input_features: dict[str, FeatureSpec] = {}
+    for key in selected:
+        spec = dataset_features[key]
+        if spec.get("dtype") in ("image", "video"):
+            input_features[key] = {"type": "VISUAL", "shape": _visual_shape_chw(key, spec)}
+        elif key == "observation.environment_state":
+            input_features[key] = {"type": "ENV", "shape": [int(size) for size in spec["shape"]]}
+        else:
+            input_features[key] = {"type": "STATE", "shape": [int(size) for size in spec["shape"]]}
+    output_features: dict[str, FeatureSpec] = {
+        "action": {"type": "ACTION", "shape": [int(size) for size in dataset_features["action"]["shape"]]}
+    }
+    return input_features, output_features
+
+
+def _safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """CPU, contiguous tensors with no two sharing storage (safetensors refuses shared storage)."""
+    seen_storages: set[int] = set()
+    ready: dict[str, Tensor] = {}
+    for key, tensor in state_dict.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 0:
+            if storage.data_ptr() in seen_storages:
+                tensor = tensor.clone()
+            else:
+                seen_storages.add(storage.data_ptr())
+        ready[key] = tensor
+    return ready
+
+
+class PreTrainedPolicy(nn.Module, abc.ABC):
+    """Base of every policy: forward returns (loss, logs) on a normalised batch; save/load as safetensors."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    # Class names of the repeated blocks FSDP shards as units; the rest stays in the root unit.
+    _fsdp_wrap_modules: ClassVar[list[str]] = []
+    # Methods besides forward() that run the network. FSDP2 unshards parameters only around forward(), so
+    # whoever wraps the policy must pass each of these to `register_fsdp_forward_method`.
+    _fsdp_forward_methods: ClassVar[list[str]] = ["predict_action_chunk"]
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        input_features: dict[str, FeatureSpec],
+        output_features: dict[str, FeatureSpec],
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.input_features = {
+            key: {"type": spec["type"], "shape": list(spec["shape"])} for key, spec in input_features.items()
+        }
+        self.output_features = {
+            key: {"type": spec["type"], "shape": list(spec["shape"])} for key, spec in output_features.items()
+        }
+        self._action_queue: deque[Tensor] = deque(maxlen=config.n_action_steps)
+
+    @abc.abstractmethod
+    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        """Training loss and float logs for a normalised batch holding `action` and `action_is_pad`."""
+
+    @abc.abstractmethod
+    def predict_action_chunk(self, batch: dict[str, Tensor]) -> Tensor:
+        """(B, chunk_size, action_dim) actions in normalised space."""
+
+    @torch.no_grad()
+    def select_action(self, batch: dict[str, Tensor]) -> Tensor:
+        """(B, action_dim): the next action, predicting a new chunk once the last n_action_steps are used.
+
+        Call `eval()` first and `reset()` at each episode start.
+        """
+        if not self._action_queue:
+            chunk_BTA = self.predict_action_chunk(batch)[:, : self.config.n_action_steps]
+            self._action_queue.extend(chunk_BTA.transpose(0, 1))
+        return self._action_queue.popleft()
+
+    def reset(self) -> None:
+        """Forget queued actions (call at the start of every episode)."""
+        self._action_queue.clear()
+
+    def config_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.name,
+            **asdict(self.config),
+            "input_features": self.input_features,
+            "output_features": self.output_features,
+        }
+
+    def write_config(self, directory: Path) -> None:
+        """Write config.json alone (sharded checkpoints store weights elsewhere but still need it)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+
+    def save_pretrained(self, directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
+        """Write config.json and model.safetensors.
+
+        `state_dict` overrides the module's own (e.g. a full state dict gathered from FSDP shards).
+        """
+        self.write_config(directory)
+        tensors = _safetensors_ready(self.state_dict() if state_dict is None else state_dict)
+        save_file(tensors, str(Path(directory) / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: Path, map_location: str | torch.device = "cpu") -> PreTrainedPolicy:
+        """Build the policy from config.json and load model.safetensors; returned in eval mode."""
+        directory = Path(directory)
+        config_path = directory / CONFIG_NAME
+        if not config_path.is_file():
+            raise ValueError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
+        raw = json.loads(config_path.read_text())
+        policy_type = raw.pop("type", None)
+        if policy_type != cls.name:
+            raise ValueError(f"{config_path} holds a policy of type {policy_type!r}, not {cls.name!r}.")
+        input_features = raw.pop("input_features")
+        output_features = raw.pop("output_features")
+        known_fields = {field.name for field in fields(cls.config_class)}
+        unknown = sorted(set(raw) - known_fields)
+        if unknown:
+            raise ValueError(f"{config_path} has fields {unknown} that {cls.config_class.__name__} lacks.")
+        config = cls.config_class(**raw, type=policy_type)
+        config.validate()
+        policy = cls(config, input_features, output_features)
+
+        weights_path = directory / WEIGHTS_NAME
+        if not weights_path.is_file():
+            raise ValueError(
+                f"No {WEIGHTS_NAME} in {directory}. A checkpoint saved with checkpoint_format=dcp holds only "
+                "DCP shards (pytorch_model_fsdp_0/); merge them first with `lerobot-mg-convert-dcp "
+                f"--checkpoint_dir={directory}`."
+            )
+        state_dict = load_file(str(weights_path), device=str(map_location))
+        try:
+            missing, unexpected = policy.load_state_dict(state_dict, strict=False)
+        except RuntimeError as error:  # shape mismatches
+            raise ValueError(
+                f"{weights_path} does not match the policy built from {config_path}: {error}"
+            ) from error
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights_path} does not match the policy built from {config_path}: "
+                f"missing keys {missing}, unexpected keys {unexpected}."
+            )
+        policy.to(map_location)
+        policy.eval()
+        return policy

@@ -1,0 +1,57 @@
+"""Policy registry: name -> class, building a policy from its config and loading a saved one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lerobot_mg.policies.act.modeling_act import ACTPolicy
+from lerobot_mg.policies.base import CONFIG_NAME, PolicyConfig, PreTrainedPolicy, features_from_dataset
+
+POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy}
+
+
+def get_policy_class(name: str) -> type[PreTrainedPolicy]:
+    if name not in POLICIES:
+        raise ValueError(f"policy.type={name!r} is not a known policy; choose one of {sorted(POLICIES)}.")
+    return POLICIES[name]
+
+
+def policy_config_from(cfg: Any) -> PolicyConfig:
+    """The policy config as its dataclass, whether given as that dataclass or as a Hydra DictConfig."""
+    if isinstance(cfg, DictConfig):
+        policy_class = get_policy_class(str(cfg.type))
+        return policy_class.config_class(**OmegaConf.to_container(cfg, resolve=True))
+    if not is_dataclass(cfg):
+        raise ValueError(f"Expected a policy config dataclass or DictConfig, got {type(cfg).__name__}.")
+    return cfg
+
+
+def make_policy(cfg: Any, dataset_features: dict[str, dict[str, Any]]) -> PreTrainedPolicy:
+    """Validate `cfg` (policy config dataclass or DictConfig) and build a freshly initialised policy whose
+    inputs are the dataset's observation features (all, or `cfg.observation_keys`)."""
+    config = policy_config_from(cfg)
+    policy_class = get_policy_class(config.type)
+    if not isinstance(config, policy_class.config_class):
+        raise ValueError(
+            f"policy.type={config.type!r} expects {policy_class.config_class.__name__}, "
+            f"got {type(config).__name__}."
+        )
+    config.validate()
+    input_features, output_features = features_from_dataset(
+        dataset_features, getattr(config, "observation_keys", None)
+    )
+    return policy_class(config, input_features, output_features)
+
+
+def load_policy(directory: Path, map_location: str = "cpu") -> PreTrainedPolicy:
+    """Load a `pretrained_model` directory, dispatching on config.json's `type`."""
+    config_path = Path(directory) / CONFIG_NAME
+    if not config_path.is_file():
+        raise ValueError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
+    policy_type = json.loads(config_path.read_text()).get("type")
+    return get_policy_class(str(policy_type)).from_pretrained(Path(directory), map_location=map_location)

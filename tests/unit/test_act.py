@@ -1,0 +1,358 @@
+"""ACT policy: shapes, loss masking, VAE on/off, action queue, save/load, config validation, features."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from lerobot_mg.policies import (
+    POLICIES,
+    ACTConfig,
+    ACTPolicy,
+    features_from_dataset,
+    get_policy_class,
+    load_policy,
+    make_policy,
+)
+
+PUSHT_META = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "pusht_image_slice" / "meta"
+
+STATE_DIM, ENV_DIM, ACTION_DIM, CHUNK, BATCH = 6, 3, 4, 5, 3
+STATE_ONLY_INPUTS = {
+    "observation.state": {"type": "STATE", "shape": [STATE_DIM]},
+    "observation.environment_state": {"type": "ENV", "shape": [ENV_DIM]},
+}
+IMAGE_INPUTS = {
+    "observation.state": {"type": "STATE", "shape": [STATE_DIM]},
+    "observation.images.top": {"type": "VISUAL", "shape": [3, 16, 16]},
+}
+OUTPUTS = {"action": {"type": "ACTION", "shape": [ACTION_DIM]}}
+
+
+def tiny_config(**overrides: object) -> ACTConfig:
+    config = ACTConfig(
+        chunk_size=CHUNK,
+        n_action_steps=3,
+        dim_model=32,
+        n_heads=4,
+        dim_feedforward=64,
+        n_encoder_layers=2,
+        n_decoder_layers=1,
+        latent_dim=8,
+        n_vae_encoder_layers=1,
+        vision_channels=[8, 16],
+    )
+    return replace(config, **overrides)
+
+
+def make_batch(input_features: dict, seed: int = 0, num_padded: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    batch = {
+        key: torch.randn(BATCH, *spec["shape"], generator=generator) for key, spec in input_features.items()
+    }
+    batch["action"] = torch.randn(BATCH, CHUNK, ACTION_DIM, generator=generator)
+    action_is_pad = torch.zeros(BATCH, CHUNK, dtype=torch.bool)
+    if num_padded:
+        action_is_pad[:, CHUNK - num_padded :] = True
+    batch["action_is_pad"] = action_is_pad
+    return batch
+
+
+def seeded_loss(
+    policy: ACTPolicy, batch: dict[str, torch.Tensor], seed: int = 1
+) -> tuple[torch.Tensor, dict]:
+    # Dropout and the VAE sample draw from the global RNG: reseed so two calls see the same noise.
+    torch.manual_seed(seed)
+    return policy(batch)
+
+
+@pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
+def test_forward_backward_reaches_every_parameter(input_features: dict) -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(), input_features, OUTPUTS)
+    policy.train()
+    loss, logs = seeded_loss(policy, make_batch(input_features))
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert set(logs) == {"l1_loss", "kld_loss"}
+    assert logs["kld_loss"] > 0
+    assert loss.item() == pytest.approx(logs["l1_loss"] + 10.0 * logs["kld_loss"], rel=1e-5)
+    loss.backward()
+    # DDP without find_unused_parameters needs every parameter to take part in the training loss.
+    no_grad = [name for name, param in policy.named_parameters() if param.grad is None]
+    assert no_grad == []
+    policy.eval()
+    chunk = policy.predict_action_chunk(make_batch(input_features))
+    assert chunk.shape == (BATCH, CHUNK, ACTION_DIM)
+
+
+def test_image_tokens_depend_on_the_image() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(), IMAGE_INPUTS, OUTPUTS).eval()
+    batch = make_batch(IMAGE_INPUTS)
+    other = dict(batch, **{"observation.images.top": torch.zeros_like(batch["observation.images.top"])})
+    assert not torch.allclose(policy.predict_action_chunk(batch), policy.predict_action_chunk(other))
+
+
+def test_loss_ignores_padded_positions() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS).train()
+    batch = make_batch(STATE_ONLY_INPUTS, num_padded=2)
+    changed_pad = dict(batch, action=batch["action"].clone())
+    changed_pad["action"][:, CHUNK - 2 :] = 1000.0
+    loss, logs = seeded_loss(policy, batch)
+    loss_changed_pad, logs_changed_pad = seeded_loss(policy, changed_pad)
+    # The VAE masks padded keys too, so even its latent (and the KL term) is unchanged.
+    assert loss_changed_pad.item() == pytest.approx(loss.item(), abs=1e-6)
+    assert logs_changed_pad["kld_loss"] == pytest.approx(logs["kld_loss"], abs=1e-6)
+
+    changed_valid = dict(batch, action=batch["action"].clone())
+    changed_valid["action"][:, 0] += 1.0
+    loss_changed_valid, _ = seeded_loss(policy, changed_valid)
+    assert abs(loss_changed_valid.item() - loss.item()) > 1e-3
+
+
+def test_l1_is_averaged_over_valid_elements() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(use_vae=False, dropout=0.0), STATE_ONLY_INPUTS, OUTPUTS).train()
+    batch = make_batch(STATE_ONLY_INPUTS, num_padded=2)
+    with torch.no_grad():
+        prediction = policy.model(batch)[0]
+        _, logs = policy(batch)
+    expected = (prediction - batch["action"])[:, : CHUNK - 2].abs().mean().item()
+    assert logs["l1_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_vae_off_has_no_kl_and_no_vae_modules() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(use_vae=False), STATE_ONLY_INPUTS, OUTPUTS).train()
+    assert not any(name.startswith("model.vae") for name, _ in policy.named_parameters())
+    loss, logs = seeded_loss(policy, make_batch(STATE_ONLY_INPUTS))
+    assert logs["kld_loss"] == 0.0
+    assert loss.item() == pytest.approx(logs["l1_loss"], rel=1e-6)
+
+
+def test_vae_latent_is_zero_at_inference() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(use_vae=True), STATE_ONLY_INPUTS, OUTPUTS).eval()
+    batch = make_batch(STATE_ONLY_INPUTS)
+    without_action = {key: value for key, value in batch.items() if not key.startswith("action")}
+    torch.testing.assert_close(
+        policy.predict_action_chunk(batch), policy.predict_action_chunk(without_action)
+    )
+    _, logs = policy(batch)
+    assert logs["kld_loss"] == 0.0
+
+
+def test_select_action_consumes_a_queue_of_n_action_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(n_action_steps=3), STATE_ONLY_INPUTS, OUTPUTS).eval()
+    chunks = [
+        torch.arange(BATCH * CHUNK * ACTION_DIM, dtype=torch.float32).reshape(BATCH, CHUNK, ACTION_DIM)
+        + 1000 * i
+        for i in range(3)
+    ]
+    calls: list[int] = []
+
+    def fake_predict(batch: dict) -> torch.Tensor:
+        calls.append(1)
+        return chunks[len(calls) - 1]
+
+    monkeypatch.setattr(policy, "predict_action_chunk", fake_predict)
+    observation = make_batch(STATE_ONLY_INPUTS)
+    actions = [policy.select_action(observation) for _ in range(4)]
+    assert len(calls) == 2
+    for step in range(3):
+        torch.testing.assert_close(actions[step], chunks[0][:, step])
+    torch.testing.assert_close(actions[3], chunks[1][:, 0])
+    assert actions[0].shape == (BATCH, ACTION_DIM)
+
+    policy.reset()
+    torch.testing.assert_close(policy.select_action(observation), chunks[2][:, 0])
+    assert len(calls) == 3
+
+
+def test_select_action_matches_predicted_chunk() -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(n_action_steps=2), STATE_ONLY_INPUTS, OUTPUTS).eval()
+    observation = make_batch(STATE_ONLY_INPUTS)
+    chunk = policy.predict_action_chunk(observation)
+    torch.testing.assert_close(policy.select_action(observation), chunk[:, 0])
+    torch.testing.assert_close(policy.select_action(observation), chunk[:, 1])
+
+
+@pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
+def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(), input_features, OUTPUTS)
+    policy.save_pretrained(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["type"] == "act"
+    assert config["chunk_size"] == CHUNK and config["vision_channels"] == [8, 16]
+    assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
+
+    loaded = load_policy(tmp_path)
+    assert isinstance(loaded, ACTPolicy) and not loaded.training
+    assert loaded.config == policy.config
+    for key, tensor in policy.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    policy.eval()
+    batch = make_batch(input_features)
+    assert torch.equal(loaded.predict_action_chunk(batch), policy.predict_action_chunk(batch))
+
+
+def test_save_pretrained_accepts_shared_storage_state_dict(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(use_vae=False), STATE_ONLY_INPUTS, OUTPUTS)
+    state_dict = policy.state_dict()
+    # A gathered FSDP state dict may hand out views of one flat buffer; safetensors refuses shared storage.
+    flat = torch.cat([tensor.flatten() for tensor in state_dict.values()])
+    views, offset = {}, 0
+    for key, tensor in state_dict.items():
+        views[key] = flat[offset : offset + tensor.numel()].view_as(tensor)
+        offset += tensor.numel()
+    policy.save_pretrained(tmp_path, state_dict=views)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert saved.keys() == state_dict.keys()
+    assert all(torch.equal(saved[key], state_dict[key]) for key in state_dict)
+
+
+def test_from_pretrained_without_weights_points_to_dcp_conversion(tmp_path: Path) -> None:
+    policy = ACTPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS)
+    policy.write_config(tmp_path)
+    assert [path.name for path in tmp_path.iterdir()] == ["config.json"]
+    with pytest.raises(ValueError, match="lerobot-mg-convert-dcp"):
+        ACTPolicy.from_pretrained(tmp_path)
+
+
+def test_same_seed_gives_identical_model_and_loss() -> None:
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        policy = ACTPolicy(tiny_config(), IMAGE_INPUTS, OUTPUTS).train()
+        losses.append(seeded_loss(policy, make_batch(IMAGE_INPUTS))[0].item())
+    assert losses[0] == losses[1]
+
+
+def test_parameter_count_of_the_small_state_only_preset() -> None:
+    # dim_model=256, 4 encoder / 1 decoder layers, feed-forward 1024, no VAE, 14-d state, 3-d env, 14-d
+    # action, chunk 50: the 4.2M-parameter state-only reference ACT. (Feed-forward 3200 gives 9.8M.)
+    config = ACTConfig(
+        chunk_size=50, n_action_steps=50, dim_model=256, n_heads=8, dim_feedforward=1024, use_vae=False
+    )
+    inputs = {
+        "observation.state": {"type": "STATE", "shape": [14]},
+        "observation.environment_state": {"type": "ENV", "shape": [3]},
+    }
+    policy = ACTPolicy(config, inputs, {"action": {"type": "ACTION", "shape": [14]}})
+    assert sum(param.numel() for param in policy.parameters()) == 4_243_470
+
+
+def test_fsdp_wrap_units_exist_in_the_model() -> None:
+    policy = ACTPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS)
+    class_names = {type(module).__name__ for module in policy.modules()}
+    assert set(ACTPolicy._fsdp_wrap_modules) == {"ACTEncoderLayer", "ACTDecoderLayer"}
+    assert set(ACTPolicy._fsdp_wrap_modules) <= class_names
+    assert all(callable(getattr(policy, name)) for name in ACTPolicy._fsdp_forward_methods)
+    # Tied weights cannot be split across FSDP units: ACT must have none.
+    all_params = [param for _, param in policy.named_parameters(remove_duplicate=False)]
+    assert len({id(param) for param in all_params}) == len(all_params)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"n_action_steps": 6}, r"policy\.n_action_steps=6 exceeds policy\.chunk_size=5"),
+        ({"dim_model": 30}, r"policy\.dim_model=30 is not divisible by policy\.n_heads=4"),
+        ({"feedforward_activation": "swish"}, r"policy\.feedforward_activation='swish'"),
+        ({"dropout": 1.5}, r"policy\.dropout=1\.5"),
+        ({"chunk_size": 0}, r"policy\.chunk_size=0 must be >= 1"),
+        ({"vision_channels": []}, r"policy\.vision_channels=\[\]"),
+        ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE'"),
+        ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"unknown feature type 'DEPTH'"),
+        ({"observation_keys": ["action"]}, r"policy\.observation_keys=\['action'\]"),
+    ],
+)
+def test_config_validation_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides).validate()
+
+
+def test_default_config_is_valid_and_a_structured_hydra_schema() -> None:
+    ACTConfig().validate()
+    schema = OmegaConf.structured(ACTConfig)
+    schema.chunk_size = 20
+    with pytest.raises(Exception, match="chunk_size"):
+        schema.chunk_size = "twenty"
+    assert OmegaConf.to_object(schema) == ACTConfig(chunk_size=20)
+
+
+def test_registry() -> None:
+    assert POLICIES == {"act": ACTPolicy}
+    assert get_policy_class("act") is ACTPolicy
+    with pytest.raises(
+        ValueError, match=r"policy\.type='diffusion' is not a known policy; choose one of \['act'\]"
+    ):
+        get_policy_class("diffusion")
+
+
+def test_make_policy_from_hydra_config_and_dataset_features() -> None:
+    info = json.loads((PUSHT_META / "info.json").read_text())
+    cfg = OmegaConf.structured(tiny_config(chunk_size=5, n_action_steps=5))
+    policy = make_policy(cfg, info["features"])
+    assert isinstance(policy, ACTPolicy)
+    assert policy.input_features == {
+        "observation.image": {"type": "VISUAL", "shape": [3, 96, 96]},
+        "observation.state": {"type": "STATE", "shape": [2]},
+    }
+    assert policy.output_features == {"action": {"type": "ACTION", "shape": [2]}}
+    with pytest.raises(ValueError, match="n_action_steps=6 exceeds"):
+        make_policy(tiny_config(n_action_steps=6), info["features"])
+
+
+def test_features_from_dataset_types_and_selection() -> None:
+    dataset_features = {
+        "observation.images.top": {
+            "dtype": "video",
+            "shape": [48, 64, 3],
+            "names": ["height", "width", "channels"],
+        },
+        "observation.images.legacy": {
+            "dtype": "image",
+            "shape": [3, 48, 64],
+            "names": ["channels", "height", "width"],
+        },
+        "observation.state": {"dtype": "float32", "shape": [14]},
+        "observation.environment_state": {"dtype": "float32", "shape": [3]},
+        "action": {"dtype": "float32", "shape": [14]},
+        "timestamp": {"dtype": "float32", "shape": [1]},
+    }
+    inputs, outputs = features_from_dataset(dataset_features, None)
+    assert inputs == {
+        "observation.images.top": {"type": "VISUAL", "shape": [3, 48, 64]},
+        "observation.images.legacy": {"type": "VISUAL", "shape": [3, 48, 64]},
+        "observation.state": {"type": "STATE", "shape": [14]},
+        "observation.environment_state": {"type": "ENV", "shape": [3]},
+    }
+    assert outputs == {"action": {"type": "ACTION", "shape": [14]}}
+    inputs, _ = features_from_dataset(dataset_features, ["observation.state"])
+    assert list(inputs) == ["observation.state"]
+    with pytest.raises(ValueError, match=r"names \['observation.wrist'\], which the dataset does not have"):
+        features_from_dataset(dataset_features, ["observation.wrist"])
+
+
+def test_from_pretrained_rejects_weights_of_another_shape(tmp_path: Path) -> None:
+    ACTPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["chunk_size"] = config["n_action_steps"] = 7
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"(?s)model\.safetensors does not match the policy built from .*decoder_queries"
+    ):
+        load_policy(tmp_path)

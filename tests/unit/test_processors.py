@@ -1,0 +1,203 @@
+"""Normalisation pre/post-processors: numbers, round trips, file names on disk, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lerobot_mg.policies import ACTConfig, features_from_dataset
+from lerobot_mg.processors import (
+    NormalizerStep,
+    PolicyProcessorPipeline,
+    UnnormalizerStep,
+    make_processors,
+)
+
+PUSHT_META = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "pusht_image_slice" / "meta"
+
+INPUTS = {
+    "observation.state": {"type": "STATE", "shape": [2]},
+    "observation.environment_state": {"type": "ENV", "shape": [3]},
+    "observation.images.top": {"type": "VISUAL", "shape": [3, 4, 4]},
+}
+OUTPUTS = {"action": {"type": "ACTION", "shape": [2]}}
+STATS = {
+    "observation.state": {"mean": [1.0, -2.0], "std": [2.0, 0.5], "min": [-3.0, -4.0], "max": [5.0, 0.0]},
+    "observation.environment_state": {
+        "mean": [0.0, 0.0, 0.0],
+        "std": [1.0, 1.0, 1.0],
+        "min": [0.0] * 3,
+        "max": [2.0] * 3,
+    },
+    # Images: per-channel statistics of shape (3, 1, 1), as LeRobot stores them.
+    "observation.images.top": {
+        "mean": torch.tensor([0.5, 0.4, 0.3]).reshape(3, 1, 1),
+        "std": torch.tensor([0.2, 0.1, 0.25]).reshape(3, 1, 1),
+    },
+    "action": {"mean": [10.0, 20.0], "std": [5.0, 4.0], "min": [0.0, 10.0], "max": [20.0, 30.0]},
+}
+
+
+def config_with(**mapping: str) -> ACTConfig:
+    base = {"VISUAL": "MEAN_STD", "STATE": "MEAN_STD", "ENV": "MEAN_STD", "ACTION": "MEAN_STD"}
+    return ACTConfig(normalization_mapping={**base, **mapping})
+
+
+def make_batch(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "observation.state": torch.randn(4, 2, generator=generator) * 3,
+        "observation.environment_state": torch.rand(4, 3, generator=generator),
+        "observation.images.top": torch.rand(4, 3, 4, 4, generator=generator),
+        "action": torch.randn(4, 7, 2, generator=generator) * 5 + 10,
+        "action_is_pad": torch.zeros(4, 7, dtype=torch.bool),
+        "task": ["push the T"] * 4,
+    }
+
+
+def test_mean_std_values() -> None:
+    pre, _ = make_processors(config_with(), INPUTS, OUTPUTS, STATS)
+    batch = {
+        "observation.state": torch.tensor([[3.0, -1.5]]),
+        "action": torch.tensor([[[15.0, 16.0]]]),
+        "observation.images.top": torch.full((1, 3, 4, 4), 0.5),
+    }
+    out = pre(batch)
+    torch.testing.assert_close(out["observation.state"], torch.tensor([[1.0, 1.0]]))
+    torch.testing.assert_close(out["action"], torch.tensor([[[1.0, -1.0]]]))
+    torch.testing.assert_close(out["observation.images.top"][0, :, 0, 0], torch.tensor([0.0, 1.0, 0.8]))
+
+
+def test_min_max_maps_range_to_minus_one_one() -> None:
+    pre, post = make_processors(config_with(STATE="MIN_MAX", ACTION="MIN_MAX"), INPUTS, OUTPUTS, STATS)
+    out = pre({"observation.state": torch.tensor([[-3.0, -4.0], [5.0, 0.0], [1.0, -2.0]])})
+    torch.testing.assert_close(out["observation.state"], torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(
+        post({"action": torch.tensor([[-1.0, 1.0]])})["action"], torch.tensor([[0.0, 30.0]])
+    )
+
+
+@pytest.mark.parametrize("mode", ["MEAN_STD", "MIN_MAX"])
+def test_normalise_then_unnormalise_is_identity(mode: str) -> None:
+    pre, post = make_processors(config_with(STATE=mode, ENV=mode, ACTION=mode), INPUTS, OUTPUTS, STATS)
+    batch = make_batch()
+    normalised = pre(batch)
+    assert not torch.allclose(normalised["action"], batch["action"])
+    torch.testing.assert_close(post({"action": normalised["action"]})["action"], batch["action"])
+    restored = UnnormalizerStep(
+        {**INPUTS, **OUTPUTS}, config_with(STATE=mode, ENV=mode, ACTION=mode).normalization_mapping, STATS
+    )(normalised)
+    for key in [*INPUTS, "action"]:
+        torch.testing.assert_close(restored[key], batch[key])
+
+
+def test_identity_missing_keys_and_non_tensors_pass_through() -> None:
+    pre, _ = make_processors(config_with(ENV="IDENTITY"), INPUTS, OUTPUTS, STATS)
+    batch = make_batch()
+    del batch["action"]  # an inference batch
+    original_state = batch["observation.state"].clone()
+    out = pre(batch)
+    assert "action" not in out
+    assert out["task"] == ["push the T"] * 4
+    assert out["observation.environment_state"] is batch["observation.environment_state"]
+    assert torch.equal(out["action_is_pad"], batch["action_is_pad"])
+    # The caller's batch is not modified in place.
+    assert torch.equal(batch["observation.state"], original_state)
+
+
+def test_zero_std_stays_finite() -> None:
+    stats = {**STATS, "action": {"mean": [1.0, 1.0], "std": [0.0, 0.0]}}
+    pre, post = make_processors(config_with(), INPUTS, OUTPUTS, stats)
+    out = pre({"action": torch.ones(2, 3, 2)})
+    assert torch.equal(out["action"], torch.zeros(2, 3, 2))
+    torch.testing.assert_close(post(out)["action"], torch.ones(2, 3, 2))
+
+
+def test_low_precision_inputs_are_computed_in_float32_and_device_move() -> None:
+    pre, post = make_processors(config_with(), INPUTS, OUTPUTS, STATS)
+    out = pre({"observation.state": torch.tensor([[3.0, -1.5]], dtype=torch.bfloat16)})
+    assert out["observation.state"].dtype == torch.float32
+    torch.testing.assert_close(out["observation.state"], torch.tensor([[1.0, 1.0]]))
+    action = post({"action": torch.tensor([[1.0, -1.0]], dtype=torch.bfloat16)})["action"]
+    assert action.dtype == torch.float32
+    torch.testing.assert_close(action, torch.tensor([[15.0, 16.0]]))
+    assert pre.to("cpu") is pre
+    assert pre.to("meta") is pre
+    assert pre.steps[0].state_dict()["observation.state.mean"].device.type == "meta"
+
+
+def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
+    pre, post = make_processors(config_with(STATE="MIN_MAX", ENV="IDENTITY"), INPUTS, OUTPUTS, STATS)
+    pre.save_pretrained(tmp_path)
+    post.save_pretrained(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "policy_postprocessor.json",
+        "policy_postprocessor_step_0_unnormalizer.safetensors",
+        "policy_preprocessor.json",
+        "policy_preprocessor_step_0_normalizer.safetensors",
+    ]
+    manifest = json.loads((tmp_path / "policy_preprocessor.json").read_text())
+    assert manifest["name"] == "policy_preprocessor"
+    assert [(step["name"], step["class"]) for step in manifest["steps"]] == [("normalizer", "NormalizerStep")]
+    assert manifest["steps"][0]["config"]["norm_map"]["STATE"] == "MIN_MAX"
+
+    loaded_pre = PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+    loaded_post = PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_postprocessor")
+    assert isinstance(loaded_pre.steps[0], NormalizerStep)
+    assert isinstance(loaded_post.steps[0], UnnormalizerStep)
+    batch = make_batch()
+    expected, actual = pre(batch), loaded_pre(batch)
+    for key in [*INPUTS, "action"]:
+        assert torch.equal(actual[key], expected[key]), key
+    assert torch.equal(
+        loaded_post({"action": batch["action"]})["action"], post({"action": batch["action"]})["action"]
+    )
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="No policy_preprocessor.json in"):
+        PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+    (tmp_path / "policy_preprocessor.json").write_text(
+        json.dumps(
+            {
+                "name": "policy_preprocessor",
+                "steps": [{"name": "x", "class": "Tokenizer", "config": {}, "state_file": None}],
+            }
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"step class 'Tokenizer'; known classes: \['NormalizerStep', 'UnnormalizerStep'\]"
+    ):
+        PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+
+
+def test_missing_or_mismatched_stats_are_user_errors() -> None:
+    stats_without_std = {**STATS, "action": {"mean": [10.0, 20.0]}}
+    with pytest.raises(
+        ValueError, match=r"No 'std' statistic for 'action'.*policy\.normalization_mapping\.ACTION=IDENTITY"
+    ):
+        make_processors(config_with(), INPUTS, OUTPUTS, stats_without_std)
+    wrong_shape = {**STATS, "observation.state": {"mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}}
+    with pytest.raises(ValueError, match=r"observation.state.mean has shape \(3,\).*feature shape \(2,\)"):
+        make_processors(config_with(), INPUTS, OUTPUTS, wrong_shape)
+    # IDENTITY needs no statistics at all.
+    make_processors(config_with(ACTION="IDENTITY"), INPUTS, OUTPUTS, stats_without_std)
+
+
+def test_real_lerobot_stats_json() -> None:
+    info = json.loads((PUSHT_META / "info.json").read_text())
+    stats = json.loads((PUSHT_META / "stats.json").read_text())
+    inputs, outputs = features_from_dataset(info["features"], None)
+    pre, post = make_processors(ACTConfig(), inputs, outputs, stats)
+    image = torch.rand(2, 3, 96, 96)
+    action = torch.tensor(stats["action"]["mean"]).expand(2, 5, 2)
+    out = pre({"observation.image": image, "action": action})
+    expected = (image - torch.tensor(stats["observation.image"]["mean"])) / torch.tensor(
+        stats["observation.image"]["std"]
+    )
+    torch.testing.assert_close(out["observation.image"], expected)
+    torch.testing.assert_close(out["action"], torch.zeros(2, 5, 2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(post(out)["action"], action)
