@@ -1,0 +1,71 @@
+"""Checkpoint file names, exactly the guide's tree.
+
+```
+checkpoints/005000/pretrained_model/{config.json, train_config.json, model.safetensors | pytorch_model_fsdp_0/,
+                                     policy_preprocessor*.json/.safetensors, policy_postprocessor*}
+checkpoints/005000/training_state/{optimizer_param_groups.json, optimizer_state.safetensors | optimizer_0/,
+                                   rng_state.safetensors, scheduler_state.json, scaler_state.json,
+                                   training_step.json}
+checkpoints/last -> 005000
+```
+A step directory only ever appears complete: it is written as ``.tmp-005000`` and renamed once
+``training_step.json`` (written last) is on disk; ``last`` moves after that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHECKPOINTS_DIR = "checkpoints"
+LAST_LINK = "last"
+PRETRAINED_MODEL_DIR = "pretrained_model"
+TRAINING_STATE_DIR = "training_state"
+TMP_PREFIX = ".tmp-"
+
+CONFIG_JSON = "config.json"
+TRAIN_CONFIG_JSON = "train_config.json"
+MODEL_SAFETENSORS = "model.safetensors"
+MODEL_DCP_DIR = "pytorch_model_fsdp_0"
+
+OPTIMIZER_PARAM_GROUPS = "optimizer_param_groups.json"
+OPTIMIZER_STATE = "optimizer_state.safetensors"
+OPTIMIZER_DCP_DIR = "optimizer_0"
+RNG_STATE = "rng_state.safetensors"
+SCHEDULER_STATE = "scheduler_state.json"
+SCALER_STATE = "scaler_state.json"
+TRAINING_STEP = "training_step.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{step:06d}"
+
+
+def checkpoints_root(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_dir_from_config_path(config_path: Path) -> Path:
+    """``.../checkpoints/last/pretrained_model/train_config.json`` -> the (resolved) step directory."""
+    config_path = Path(config_path)
+    if config_path.name != TRAIN_CONFIG_JSON or config_path.parent.name != PRETRAINED_MODEL_DIR:
+        raise ValueError(
+            f"config_path={str(config_path)!r}: expected <run>/checkpoints/<step or last>/pretrained_model/"
+            f"{TRAIN_CONFIG_JSON}. Fix: config_path=<run>/checkpoints/last/pretrained_model/{TRAIN_CONFIG_JSON}"
+        )
+    return config_path.parent.parent.resolve()
+
+
+def run_dir_from_checkpoint(step_dir: Path) -> Path:
+    return Path(step_dir).resolve().parent.parent
+
+
+def complete_step_dirs(output_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    dirs = [
+        d for d in root.iterdir()
+        if d.is_dir() and not d.is_symlink() and d.name.isdigit() and (d / TRAINING_STATE_DIR / TRAINING_STEP).is_file()
+    ]
+    return sorted(dirs, key=lambda d: int(d.name))

@@ -1,0 +1,84 @@
+"""Composition helpers: the conf/ location, LeRobot-style ``--key=value`` arguments, resume merging."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lerobot_mg.config.schema import TrainConfig
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+# Hydra's own long options; everything else spelled `--a.b=c` is a config override.
+_HYDRA_FLAGS = {
+    "help", "hydra-help", "version", "cfg", "resolve", "package", "run", "multirun", "shell-completion",
+    "config-path", "config-name", "config-dir", "info", "experimental-rerun",
+}
+_DOTTED_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
+
+# Keys added to train_config.json for readers (the ledger's numbers); not part of the schema.
+DERIVED_KEY = "run_arithmetic"
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """Accept LeRobot's ``--steps=100`` / ``--parallelism.dp_shard=4`` spelling as Hydra overrides."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            if key not in _HYDRA_FLAGS and _DOTTED_KEY.match(key):
+                out.append(f"{key}={value}")
+                continue
+        out.append(arg)
+    return out
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The typed object of a composed (or loaded) config; raises on unknown keys or wrong types."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def load_train_config_json(path: Path) -> DictConfig:
+    data = json.loads(Path(path).read_text())
+    data.pop(DERIVED_KEY, None)
+    return OmegaConf.create(data)
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """Dotted keys (or group names) that command-line overrides set, e.g. ``parallelism.dp_shard=2``."""
+    keys = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("hydra.") or key == "hydra":
+            continue
+        keys.append(key)
+    return keys
+
+
+def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfig:
+    """The config of a resumed run: the saved ``train_config.json``, with this launch's overrides on top.
+
+    Only keys the user overrode on this command line are taken from the freshly composed config (a new
+    ``parallelism.dp_shard``, more ``steps``, ...); everything else is what the original run used.
+    """
+    saved = load_train_config_json(Path(composed.config_path))
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    for key in override_keys(overrides):
+        if key == "experiment":
+            raise ValueError(
+                "experiment=...: an experiment preset cannot be applied on resume (the saved train_config.json "
+                "already fixes the run). Fix: override the individual keys instead."
+            )
+        OmegaConf.update(merged, key, OmegaConf.select(composed, key), merge=False)
+    merged.resume = True
+    merged.config_path = composed.config_path
+    return merged

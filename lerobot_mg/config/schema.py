@@ -1,0 +1,150 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+Hydra merges the YAML presets under ``conf/`` into these dataclasses, so an unknown key or a value of the
+wrong type fails at compose time. Semantic checks (ranges, combinations, the world size) live in
+:mod:`lerobot_mg.config.validate` and run before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from lerobot_mg.policies.act.configuration_act import ACTConfig
+
+
+@dataclass
+class ParallelismConfig:
+    """Data-parallel layout. Both 1 (the default) = DDP over every process the launcher started.
+
+    ``dp_shard=N`` shards parameters, gradients and optimizer state over N ranks (FSDP2; ``-1`` = all
+    processes, divided by ``dp_replicate``); ``dp_replicate=R dp_shard=S`` is HSDP (R x S = world size).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+
+
+@dataclass
+class GradientAccumulationConfig:
+    steps: int = 1
+
+
+@dataclass
+class MixedPrecisionPolicyConfig:
+    """Fields of torch's ``MixedPrecisionPolicy`` applied to every FSDP unit. Once any is set, the policy is
+    built from these fields alone and replaces the one derived from ``accelerator.mixed_precision``."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    cast_forward_inputs: bool | None = None
+
+    def is_set(self) -> bool:
+        return any(
+            v is not None for v in (self.param_dtype, self.reduce_dtype, self.output_dtype, self.cast_forward_inputs)
+        )
+
+
+@dataclass
+class FSDPConfig:
+    """Sharding settings; only valid on sharded runs (``parallelism.dp_shard`` != 1)."""
+
+    wrap_modules: list[str] | None = None  # class names of the wrap units; overrides the policy's declaration
+    min_num_params: int | None = None  # or: wrap every non-container submodule above this many parameters
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    ignored_modules: str | None = None  # regex of module paths kept unsharded
+    mixed_precision_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
+
+
+@dataclass
+class AcceleratorConfig:
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    gradient_accumulation: GradientAccumulationConfig = field(default_factory=GradientAccumulationConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    cpu: bool = False  # train on the CPU even when a GPU is visible
+
+
+@dataclass
+class CheckpointConfig:
+    format: str = "safetensors"  # safetensors | dcp | safetensors_dcp (the last two: sharded runs only)
+    save_freq: int = 1000  # loop steps between checkpoints; the last step is always saved
+    save_checkpoint: bool = True
+    keep_last: int | None = None  # prune older checkpoints, never the one `last` names
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "lerobot"  # embedded | lerobot (a LeRobot v3.0 directory on disk)
+    root: str = "???"
+    episodes: list[int] | None = None
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = "adamw"
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 1e-4
+    grad_clip_norm: float = 10.0  # 0 disables clipping
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = "cosine"  # none | constant | cosine  (stepped once per loop step)
+    num_warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optimizer.lr
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "lerobot_mg"
+    entity: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress_bar: bool = True
+    record_sample_digests: bool = True  # a digest of the sample indices of every optimizer update
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation in simulation at the end of training (main process; needs the `sim` extra)."""
+
+    n_episodes: int = 0
+    seed_start: int = 100_000  # held-out seeds, disjoint from the embedded dataset's
+    n_video_episodes: int = 0
+
+
+@dataclass
+class TrainConfig:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
+    policy: ACTConfig = field(default_factory=ACTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    output_dir: str | None = None  # default: outputs/train/<date>/<time>_<job_name>_<id>, one per run
+    job_name: str = "act"
+    seed: int = 1000
+    steps: int = 2000  # loop steps (micro-batches per worker), not optimizer updates
+    batch_size: int = 8  # per data-parallel worker
+    num_workers: int = 0  # DataLoader worker processes per rank
+    log_freq: int = 100
+    resume: bool = False
+    config_path: str | None = None  # train_config.json of the checkpoint to resume
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,239 @@
+"""Every user-facing config check, in one place, run on every rank before any process group exists.
+
+Each failure is a ``ValueError`` naming the dotted key, the bad value and the override that fixes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from lerobot_mg.config.schema import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+CHECKPOINT_FORMATS = ("safetensors", "dcp", "safetensors_dcp")
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+DATASET_NAMES = ("embedded", "lerobot")
+SCHEDULERS = ("none", "constant", "cosine")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def config_error(key: str, value: object, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{key}={value!r}: {problem}. Fix: {fix}")
+
+
+def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) actually used on ``world_size`` processes; raises on an impossible layout.
+
+    Both 1 means DDP: every process is a replica. ``dp_shard=-1`` shards over all processes left after
+    ``dp_replicate``.
+    """
+    if dp_replicate < 1:
+        raise config_error("parallelism.dp_replicate", dp_replicate, "must be >= 1", "parallelism.dp_replicate=1")
+    if dp_shard == 0 or dp_shard < -1:
+        raise config_error(
+            "parallelism.dp_shard", dp_shard, "must be >= 1, or -1 for all processes", "parallelism.dp_shard=-1"
+        )
+    if dp_replicate == 1 and dp_shard == 1:
+        return world_size, 1
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise config_error(
+                "parallelism.dp_replicate",
+                dp_replicate,
+                f"does not divide the {world_size} processes the launcher started (dp_shard=-1 shards over "
+                f"world_size / dp_replicate)",
+                f"parallelism.dp_replicate=<a divisor of {world_size}>",
+            )
+        return dp_replicate, world_size // dp_replicate
+    if dp_replicate * dp_shard != world_size:
+        raise config_error(
+            "parallelism",
+            {"dp_replicate": dp_replicate, "dp_shard": dp_shard},
+            f"dp_replicate x dp_shard = {dp_replicate * dp_shard} but the launcher started {world_size} "
+            f"process(es); the two degrees must multiply to the world size",
+            f"parallelism.dp_shard=-1 (shard over all processes), or launch {dp_replicate * dp_shard} processes "
+            f"(torchrun --nproc-per-node=...)",
+        )
+    return dp_replicate, dp_shard
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ``ValueError`` for the first user error in ``cfg`` for a launch of ``world_size`` processes."""
+    for key in ("steps", "batch_size", "log_freq"):
+        value = getattr(cfg, key)
+        if value < 1:
+            raise config_error(key, value, "must be >= 1", f"{key}=<a positive integer>")
+    if cfg.num_workers < 0:
+        raise config_error("num_workers", cfg.num_workers, "must be >= 0", "num_workers=0")
+
+    dp_replicate, dp_shard = resolve_dp_degrees(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size)
+    sharded = dp_shard > 1
+    _validate_accelerator(cfg, sharded)
+    _validate_checkpoint(cfg, sharded)
+    _validate_data_and_optim(cfg)
+    _validate_resume_and_output(cfg)
+    cfg.policy.validate()
+
+
+def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
+    acc = cfg.accelerator
+    if acc.mixed_precision not in MIXED_PRECISIONS:
+        raise config_error(
+            "accelerator.mixed_precision", acc.mixed_precision, f"must be one of {MIXED_PRECISIONS}",
+            "accelerator.mixed_precision=bf16",
+        )
+    if acc.gradient_accumulation.steps < 1:
+        raise config_error(
+            "accelerator.gradient_accumulation.steps", acc.gradient_accumulation.steps, "must be >= 1",
+            "accelerator.gradient_accumulation.steps=1",
+        )
+    fsdp = acc.fsdp
+    if not sharded:
+        set_fields = [
+            name
+            for name, is_set in (
+                ("wrap_modules", fsdp.wrap_modules is not None),
+                ("min_num_params", fsdp.min_num_params is not None),
+                ("cpu_offload", fsdp.cpu_offload),
+                ("ignored_modules", fsdp.ignored_modules is not None),
+                ("reshard_after_forward", not fsdp.reshard_after_forward),
+                ("mixed_precision_policy", fsdp.mixed_precision_policy.is_set()),
+            )
+            if is_set
+        ]
+        if set_fields:
+            key = f"accelerator.fsdp.{set_fields[0]}"
+            raise config_error(
+                key, getattr(fsdp, set_fields[0]) if set_fields[0] != "mixed_precision_policy" else "set",
+                "only applies to sharded runs, and this run is not sharded (parallelism.dp_shard=1)",
+                f"parallelism.dp_shard=-1 to shard, or remove {key}",
+            )
+    if fsdp.wrap_modules is not None and fsdp.min_num_params is not None:
+        raise config_error(
+            "accelerator.fsdp.min_num_params", fsdp.min_num_params,
+            "cannot be combined with accelerator.fsdp.wrap_modules (choose one wrap policy)",
+            "remove accelerator.fsdp.min_num_params or accelerator.fsdp.wrap_modules",
+        )
+    if fsdp.wrap_modules is not None and not fsdp.wrap_modules:
+        raise config_error(
+            "accelerator.fsdp.wrap_modules", [], "names no class: only the root would be wrapped",
+            "accelerator.fsdp.wrap_modules='[\"MyBlock\"]'",
+        )
+    if fsdp.min_num_params is not None and fsdp.min_num_params < 1:
+        raise config_error(
+            "accelerator.fsdp.min_num_params", fsdp.min_num_params, "must be >= 1",
+            "accelerator.fsdp.min_num_params=1000000",
+        )
+    policy = fsdp.mixed_precision_policy
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(policy, name)
+        if value is not None and value not in TORCH_DTYPES:
+            raise config_error(
+                f"accelerator.fsdp.mixed_precision_policy.{name}", value, f"must be one of {TORCH_DTYPES}",
+                f"accelerator.fsdp.mixed_precision_policy.{name}=bfloat16",
+            )
+        if value == "float16" and acc.mixed_precision != "fp16":
+            raise config_error(
+                f"accelerator.fsdp.mixed_precision_policy.{name}", value,
+                "float16 needs the loss scaler, which only accelerator.mixed_precision=fp16 builds",
+                "accelerator.mixed_precision=fp16",
+            )
+    if policy.is_set() and policy.param_dtype is None:
+        logger.warning(
+            "accelerator.fsdp.mixed_precision_policy is set without param_dtype: the policy is built from "
+            "its fields alone, so parameters are not cast for compute (float32 compute)."
+        )
+
+
+def _validate_checkpoint(cfg: TrainConfig, sharded: bool) -> None:
+    ckpt = cfg.checkpoint
+    if ckpt.format not in CHECKPOINT_FORMATS:
+        raise config_error(
+            "checkpoint.format", ckpt.format, f"must be one of {CHECKPOINT_FORMATS}", "checkpoint.format=safetensors"
+        )
+    if ckpt.format != "safetensors" and not sharded:
+        raise config_error(
+            "checkpoint.format", ckpt.format,
+            "DCP weight shards only exist for sharded runs; this run is not sharded (parallelism.dp_shard=1)",
+            "checkpoint.format=safetensors, or shard with parallelism.dp_shard=-1",
+        )
+    if ckpt.save_freq < 1:
+        raise config_error("checkpoint.save_freq", ckpt.save_freq, "must be >= 1", "checkpoint.save_freq=1000")
+    if ckpt.keep_last is not None and ckpt.keep_last < 1:
+        raise config_error(
+            "checkpoint.keep_last", ckpt.keep_last, "must be >= 1 (or null to keep all)", "checkpoint.keep_last=null"
+        )
+
+
+def _validate_data_and_optim(cfg: TrainConfig) -> None:
+    if cfg.dataset.name not in DATASET_NAMES:
+        raise config_error("dataset.name", cfg.dataset.name, f"must be one of {DATASET_NAMES}", "dataset=lerobot")
+    root = Path(cfg.dataset.root)
+    if not (root / "meta" / "info.json").is_file():
+        fix = (
+            "generate it first: lerobot-mg-make-dataset (or make train does it)"
+            if cfg.dataset.name == "embedded"
+            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>"
+        )
+        raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json)", fix)
+    if cfg.optimizer.type != "adamw":
+        raise config_error("optimizer.type", cfg.optimizer.type, "only adamw is available", "optimizer=adamw")
+    if cfg.optimizer.lr <= 0:
+        raise config_error("optimizer.lr", cfg.optimizer.lr, "must be > 0", "optimizer.lr=1e-4")
+    if cfg.optimizer.grad_clip_norm < 0:
+        raise config_error(
+            "optimizer.grad_clip_norm", cfg.optimizer.grad_clip_norm, "must be >= 0 (0 disables clipping)",
+            "optimizer.grad_clip_norm=10",
+        )
+    sched = cfg.scheduler
+    if sched.type not in SCHEDULERS:
+        raise config_error("scheduler.type", sched.type, f"must be one of {SCHEDULERS}", "scheduler=cosine")
+    if sched.num_warmup_steps < 0 or (sched.type != "none" and sched.num_warmup_steps >= cfg.steps):
+        raise config_error(
+            "scheduler.num_warmup_steps", sched.num_warmup_steps, f"must be in [0, steps={cfg.steps})",
+            "scheduler.num_warmup_steps=<fewer than steps>",
+        )
+    if not 0.0 <= sched.min_lr_ratio <= 1.0:
+        raise config_error("scheduler.min_lr_ratio", sched.min_lr_ratio, "must be in [0, 1]", "scheduler.min_lr_ratio=0")
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise config_error(
+            "logging.wandb.mode", cfg.logging.wandb.mode, f"must be one of {WANDB_MODES}",
+            "logging.wandb.mode=offline",
+        )
+    if cfg.eval.n_episodes < 0:
+        raise config_error("eval.n_episodes", cfg.eval.n_episodes, "must be >= 0", "eval.n_episodes=0")
+    if cfg.eval.n_episodes > 0 and cfg.dataset.name != "embedded":
+        raise config_error(
+            "eval.n_episodes", cfg.eval.n_episodes,
+            "evaluation runs the ALOHA transfer-cube simulation, which only matches the embedded dataset",
+            "eval.n_episodes=0, or dataset=embedded",
+        )
+
+
+def _validate_resume_and_output(cfg: TrainConfig) -> None:
+    if cfg.resume:
+        if cfg.config_path is None:
+            raise config_error(
+                "config_path", None, "resume=true needs the train_config.json of the checkpoint to resume",
+                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+            )
+        if not Path(cfg.config_path).is_file():
+            raise config_error(
+                "config_path", cfg.config_path, "does not exist",
+                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+            )
+    elif cfg.config_path is not None:
+        raise config_error(
+            "config_path", cfg.config_path, "is only read when resuming", "resume=true, or remove config_path"
+        )
+    if not cfg.resume and cfg.output_dir is not None and Path(cfg.output_dir).exists():
+        if any(Path(cfg.output_dir).iterdir()):
+            raise config_error(
+                "output_dir", cfg.output_dir,
+                "already exists and is not empty; two runs must never share a run directory",
+                "a new output_dir, or resume=true config_path=<output_dir>/checkpoints/last/pretrained_model/"
+                "train_config.json",
+            )

@@ -1,0 +1,218 @@
+"""The accelerator factory: the only module that configures accelerate.
+
+It builds one ``Accelerator`` for all three layouts (DDP, FSDP2, HSDP) with every plugin field set
+explicitly, and it prepares the model: wrap units are chosen and checked by :mod:`.wrap`, sharded with the
+same arguments accelerate gives the root, then ``accelerator.prepare`` wraps the root.
+
+Rehearsing a layout on a CPU-only host is a feature (tests run FSDP2/HSDP on gloo). Accelerate only picks FSDP
+for GPU-like devices and builds no fp16 autocast or loss scaler on the CPU; :func:`_rehearse_on_cpu` and
+:func:`_enable_cpu_fp16` are the two places that work around that, and ``tests/unit/test_accelerate_canary.py``
+pins the accelerate internals they rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+from torch import nn
+
+from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
+from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.wrap import find_split_ties, select_wrap_units
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def use_cpu(acc_cfg: AcceleratorConfig) -> bool:
+    return acc_cfg.cpu or not torch.cuda.is_available()
+
+
+def _rehearse_on_cpu() -> None:
+    """Let accelerate build FSDP2/HSDP on a CPU-only host (gloo).
+
+    ``AcceleratorState`` only chooses FSDP when the shared ``PartialState`` reports a GPU-like distributed type;
+    with ``cpu=True`` it reports MULTI_CPU and accelerate silently falls back to DDP. Creating the
+    ``PartialState`` first and relabelling it makes the same Accelerator build FSDP2 on gloo.
+    """
+    state = PartialState(cpu=True)
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def _enable_cpu_fp16(accelerator: Accelerator) -> None:
+    """fp16 on the CPU: accelerate turns neither autocast nor a loss scaler on for a CPU device."""
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16" and accelerator.scaler is None:
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
+def _offload_policy(fsdp: FSDPConfig, cpu: bool):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not fsdp.cpu_offload:
+        return OffloadPolicy()
+    # Pinned host memory needs a GPU; without one the same policy unpinned works.
+    return CPUOffloadPolicy(pin_memory=not cpu)
+
+
+def _mixed_precision_policy(acc_cfg: AcceleratorConfig):
+    """The user's MixedPrecisionPolicy when any field is set (built from those fields alone), else None and
+    accelerate derives one from ``accelerator.mixed_precision``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fields = acc_cfg.fsdp.mixed_precision_policy
+    if not fields.is_set():
+        return None
+    kwargs = {
+        name: _DTYPES[getattr(fields, name)]
+        for name in ("param_dtype", "reduce_dtype", "output_dtype")
+        if getattr(fields, name) is not None
+    }
+    if fields.cast_forward_inputs is not None:
+        kwargs["cast_forward_inputs"] = fields.cast_forward_inputs
+    return MixedPrecisionPolicy(**kwargs)
+
+
+def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Accelerator:
+    """One Accelerator for the layout of ``dims``. Collective: every rank must call it."""
+    cpu = use_cpu(acc_cfg)
+    fsdp_plugin = None
+    parallelism_config = None
+    if dims.is_sharded:
+        if cpu:
+            _rehearse_on_cpu()
+        fsdp = acc_cfg.fsdp
+        fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            reshard_after_forward=fsdp.reshard_after_forward,
+            # Units are chosen by lerobot_mg.distributed.wrap and sharded before prepare; accelerate wraps the root.
+            auto_wrap_policy="no_wrap",
+            transformer_cls_names_to_wrap=None,
+            min_num_params=0,
+            cpu_offload=_offload_policy(fsdp, cpu),
+            ignored_modules=fsdp.ignored_modules,
+            mixed_precision_policy=_mixed_precision_policy(acc_cfg),
+            state_dict_type="SHARDED_STATE_DICT",
+            cpu_ram_efficient_loading=False,
+            activation_checkpointing=False,
+            activation_checkpointing_offload=False,
+            # FSDP1-only knobs: None is the only value FSDP2 accepts (it always keeps the original parameters
+            # and needs no module-state sync).
+            forward_prefetch=None,
+            use_orig_params=None,
+            sync_module_states=None,
+        )
+        parallelism_config = ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard)
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=acc_cfg.mixed_precision,
+        gradient_accumulation_steps=acc_cfg.gradient_accumulation.steps,
+        fsdp_plugin=fsdp_plugin,
+        parallelism_config=parallelism_config,
+        step_scheduler_with_optimizer=False,
+        device_placement=True,
+        log_with=None,
+    )
+    if dims.is_sharded and accelerator.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(
+            f"accelerate built {accelerator.distributed_type} instead of FSDP for {dims.describe()}; "
+            "the accelerate version is not one this factory supports (see test_accelerate_canary.py)"
+        )
+    if accelerator.num_processes != dims.world_size:
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} processes but the launcher's WORLD_SIZE is "
+            f"{dims.world_size}"
+        )
+    _enable_cpu_fp16(accelerator)
+    return accelerator
+
+
+def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) -> list[str]:
+    """Choose, check and shard the FSDP wrap units of ``model`` (before ``accelerator.prepare``).
+
+    Returns the unit names. Collective: every rank must call it.
+    """
+    from accelerate.utils.fsdp_utils import get_parameters_from_modules
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    units, rule = select_wrap_units(model, fsdp.wrap_modules, fsdp.min_num_params)
+    ties = find_split_ties(model, units)
+    if ties:
+        raise ValueError(
+            "FSDP cannot split tied weights across wrap units, and these parameters would be split: "
+            + "; ".join(ties)
+            + f" (units chosen by {rule}). Fix: wrap the repeated block class (accelerator.fsdp.wrap_modules) so "
+            "both users of the tied weight stay together, e.g. in the root unit."
+        )
+    plugin = accelerator.state.fsdp_plugin
+    mesh = accelerator.torch_device_mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    }
+    if plugin.ignored_modules is not None:
+        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
+    for _, unit in units:
+        fully_shard(unit, **kwargs)
+    logger.info("FSDP wrap units (%s): %d units, e.g. %s", rule, len(units), units[-1][0])
+    return [name for name, _ in units]
+
+
+def ignored_trainable_params(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters FSDP left as plain tensors (``accelerator.fsdp.ignored_modules``).
+
+    FSDP does not reduce their gradients; :func:`sync_ignored_grads` must, or the replicas drift apart.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+
+def sync_ignored_grads(params: list[nn.Parameter], world_size: int) -> None:
+    """Average the gradients of ``params`` over all ranks. Collective: every rank must call it, on sync steps."""
+    if not params or world_size == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(g).clone()
+        offset += n
+
+
+def sync_found_inf(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> None:
+    """After the loss scaler unscaled the gradients: an inf/nan on any rank makes every rank skip the step.
+
+    Under sharding each rank unscales only its own gradient shards, so without this a rank whose shard holds
+    the overflow would skip while the others step. Collective: every rank must call it, on sync steps.
+    """
+    scaler = accelerator.scaler
+    if scaler is None or accelerator.num_processes == 1:
+        return
+    inner = optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    state = scaler._per_optimizer_states[id(inner)]
+    for found_inf in state["found_inf_per_device"].values():
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+
+
+def launch_world() -> tuple[int, int, int]:
+    """(world_size, rank, local_rank) from the launcher's environment, before any process group exists."""
+    return (
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )

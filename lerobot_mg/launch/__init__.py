@@ -1,0 +1,1 @@
+"""Launch-environment helpers: the run directory every rank agrees on."""

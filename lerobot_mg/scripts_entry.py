@@ -1,0 +1,58 @@
+"""Console entry points (pyproject [project.scripts]); scripts/*.py call the same functions."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def train() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    from lerobot_mg.config import register_configs
+    from lerobot_mg.config.loading import CONF_DIR, merge_resume_config, normalize_argv, to_train_config
+
+    sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
+    register_configs()
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+    def _main(composed: DictConfig) -> None:
+        from lerobot_mg.train import train as run_training
+
+        logging.getLogger("lerobot_mg").setLevel(logging.INFO)
+        if composed.resume:
+            if composed.config_path is None:
+                raise ValueError(
+                    "config_path=None: resume=true needs the train_config.json of the checkpoint to resume. Fix: "
+                    "config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
+                )
+            composed = merge_resume_config(composed, list(HydraConfig.get().overrides.task))
+        run_training(to_train_config(composed), composed)
+
+    _main()
+
+
+def convert_dcp() -> None:
+    from lerobot_mg.checkpoint.convert import main
+
+    main()
+
+
+def compare_runs() -> None:
+    from lerobot_mg.accounting.report import main
+
+    raise SystemExit(main())
+
+
+def make_dataset() -> None:
+    from lerobot_mg.sim.generate import main
+
+    main()
+
+
+def eval_policy() -> None:
+    from lerobot_mg.sim.evaluate import main
+
+    main()

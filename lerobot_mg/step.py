@@ -1,0 +1,79 @@
+"""One loop step for every layout: forward, backward, and on accumulation boundaries the optimizer update."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
+from lerobot_mg.distributed.parallel_dims import ParallelDims
+
+
+@dataclass
+class StepLogs:
+    losses: dict[str, float] = field(default_factory=dict)
+    synced: bool = False  # this loop step ended an accumulation window: an optimizer update was attempted
+    skipped: bool = False  # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank)
+    grad_norm: float = math.nan
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class Stepper:
+    """Runs loop steps. Every method is collective: every rank calls it once per loop step."""
+
+    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, cfg: TrainConfig,
+                 dims: ParallelDims):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.preprocessor = preprocessor
+        self.grad_clip_norm = cfg.optimizer.grad_clip_norm
+        self.dims = dims
+        # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
+        self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step(self, batch: dict[str, Any]) -> StepLogs:
+        acc = self.accelerator
+        batch = self.preprocessor(to_device(batch, acc.device))
+        logs = StepLogs()
+        with acc.accumulate(self.model):
+            loss, policy_logs = self.model(batch)
+            acc.backward(loss)
+            logs.synced = acc.sync_gradients
+            if logs.synced:
+                logs.grad_norm = self._finish_gradients()
+                scale_before = acc.scaler.get_scale() if acc.scaler is not None else None
+            self.optimizer.step()  # accelerate skips it inside an accumulation window
+            self.optimizer.zero_grad(set_to_none=True)
+            if logs.synced and scale_before is not None:
+                logs.skipped = acc.scaler.get_scale() < scale_before  # the scaler backs off exactly on a skip
+        if self.scheduler is not None:
+            self.scheduler.step()  # once per loop step, whatever the process count
+        logs.losses = {"loss": float(loss.detach()), **{k: float(v) for k, v in policy_logs.items()}}
+        return logs
+
+    def _finish_gradients(self) -> float:
+        """Reduce what FSDP does not, unscale, agree on overflow, clip; returns the global grad norm."""
+        acc = self.accelerator
+        sync_ignored_grads(self.ignored_params, self.dims.world_size)
+        norm = math.nan
+        if self.grad_clip_norm > 0:
+            total = acc.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)  # unscales first under fp16
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            norm = float(total)
+        elif acc.scaler is not None:
+            acc.unscale_gradients()
+        sync_found_inf(acc, self.optimizer)
+        return norm

@@ -1,0 +1,291 @@
+"""train(cfg): one run, read top to bottom. Every rank executes all of it; collectives are marked."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+
+from lerobot_mg.accounting.ledger import BatchArithmetic, RunLedger, sample_digest
+from lerobot_mg.accounting.revision import code_revision
+from lerobot_mg.checkpoint import layout
+from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_resumable
+from lerobot_mg.checkpoint.state import write_json
+from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.validate import validate
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset
+from lerobot_mg.data.sampler import ResumableBatchSampler
+from lerobot_mg.distributed.accelerator import (
+    build_accelerator,
+    launch_world,
+    shard_units,
+)
+from lerobot_mg.distributed.env_guard import check_accelerate_env
+from lerobot_mg.distributed.metrics import IntervalMetrics, MetricsLogger
+from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.launch.run_dir import agree_on_output_dir
+from lerobot_mg.optim import describe_schedule, make_optimizer, make_scheduler
+from lerobot_mg.policies.registry import make_policy
+from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
+from lerobot_mg.step import Stepper
+
+logger = logging.getLogger("lerobot_mg.train")
+
+
+@dataclass
+class Progress:
+    """Loop counters; saved in training_step.json and recorded in the ledger."""
+
+    step: int = 0
+    samples_seen: int = 0
+    optimizer_updates: int = 0
+    skipped_updates: int = 0  # fp16 overflow: the scaler skipped the optimizer step
+
+
+def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any]:
+    check_accelerate_env()
+    world_size, rank, local_rank = launch_world()
+    validate(cfg, world_size)
+    resume_dir = layout.checkpoint_dir_from_config_path(Path(cfg.config_path)) if cfg.resume else None
+    resume_info = check_resumable(resume_dir) if resume_dir is not None else None
+    dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
+
+    set_seed(cfg.seed)  # identical initial weights on every rank (FSDP shards each rank's own copy)
+    accelerator = build_accelerator(cfg.accelerator, dims)  # collective
+    output_dir = (
+        layout.run_dir_from_checkpoint(resume_dir)
+        if resume_dir is not None
+        else agree_on_output_dir(cfg.output_dir, cfg.job_name, dims.is_main_process, dims.is_distributed)
+    )
+    arithmetic = BatchArithmetic(cfg.batch_size, dims.dp_world_size, cfg.accelerator.gradient_accumulation.steps)
+    train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: _derived(arithmetic, dims)}
+    if dims.is_main_process:
+        _save_run_configs(output_dir, train_config, composed, resumed=resume_dir is not None)
+
+    dataset = LeRobotDataset(
+        cfg.dataset.root, delta_timestamps=_action_deltas(cfg, cfg.dataset.root), episodes=cfg.dataset.episodes
+    )
+    sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size)
+    policy = make_policy(cfg.policy, dataset.features)
+    preprocessor, postprocessor = make_processors(cfg.policy, policy.input_features, policy.output_features, dataset.stats)
+    if resume_dir is not None:  # normalisation exactly as the original run had it
+        preprocessor = PolicyProcessorPipeline.from_pretrained(resume_dir / layout.PRETRAINED_MODEL_DIR, "policy_preprocessor")
+        postprocessor = PolicyProcessorPipeline.from_pretrained(resume_dir / layout.PRETRAINED_MODEL_DIR, "policy_postprocessor")
+    preprocessor = preprocessor.to(accelerator.device)
+    if dims.is_sharded:  # the optimizer must see the sharded parameters of the wrap units
+        shard_units(accelerator, policy, cfg.accelerator.fsdp)  # collective
+    optimizer = make_optimizer(policy, cfg.optimizer)
+    scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
+    model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
+    checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims)
+
+    progress, continuation = Progress(), None
+    if resume_dir is not None:
+        info = checkpoints.load(resume_dir, model, optimizer, scheduler, accelerator.scaler)  # collective
+        progress = Progress(**info["progress"])
+        continuation = sampler.load_state_dict(info["sampler"])
+        accelerator.step = progress.step  # keep the accumulation boundary where the original run had it
+        if dims.is_main_process:
+            _warn_resume_differences(resume_info, cfg, dims, dataset, continuation)
+    else:
+        set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
+
+    ledger = RunLedger(output_dir, dims.is_main_process)
+    run_facts = _run_facts(cfg, dims, dataset, arithmetic)
+    ledger.record_start(
+        kind="resume" if resume_dir else "start", loop_step=progress.step, samples_seen=progress.samples_seen,
+        optimizer_updates=progress.optimizer_updates, arithmetic=arithmetic, topology=dims.to_dict(),
+        world_size=dims.world_size, precision=cfg.accelerator.mixed_precision, code_revision=run_facts["code_revision"],
+        dataset_fingerprint=run_facts["dataset_fingerprint"], checkpoint_format=cfg.checkpoint.format,
+        resumed_from=str(resume_dir) if resume_dir else None,
+        lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
+    )
+    _print_banner(cfg, dims, arithmetic, policy, dataset, output_dir, progress, continuation)
+    metrics_log = MetricsLogger(
+        output_dir, dims.is_main_process, cfg.logging.wandb.mode, cfg.logging.wandb.project,
+        cfg.logging.wandb.entity, f"{cfg.job_name}-{output_dir.name}", train_config,
+    )
+    stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
+    interval = IntervalMetrics(dims, accelerator.device)
+    batches = _batches(dataset, sampler, cfg.num_workers)
+    save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
+    digest_indices: list[int] = []
+    bar = _progress_bar(cfg, dims, progress.step)
+    start_time = time.perf_counter()
+    reduced: dict[str, float] = {"loss": float("nan")}
+
+    while progress.step < cfg.steps:
+        epoch, offset = sampler.epoch, sampler.offset
+        batch = next(batches)
+        sampler.advance()
+        step_logs = stepper.step(batch)
+        progress.step += 1
+        progress.samples_seen += arithmetic.samples_per_loop_step
+        interval.add(step_logs.losses, cfg.batch_size)
+        if cfg.logging.record_sample_digests:  # the global batch, known from the sampler without communication
+            digest_indices += sampler.permutation(epoch)[offset : offset + sampler.global_batch_size].tolist()
+        if step_logs.synced:
+            progress.optimizer_updates += 1
+            progress.skipped_updates += int(step_logs.skipped)
+            if digest_indices:
+                ledger.record_update(optimizer_update=progress.optimizer_updates, loop_step=progress.step,
+                                     digest=sample_digest(digest_indices), num_samples=len(digest_indices))
+            digest_indices = []
+        if progress.step % cfg.log_freq == 0 or progress.step == cfg.steps:
+            reduced = interval.reduce()  # collective
+            reduced.update(lr=stepper.lr, grad_norm=step_logs.grad_norm, samples_seen=progress.samples_seen,
+                           optimizer_updates=progress.optimizer_updates, skipped_updates=progress.skipped_updates)
+            metrics_log.log(progress.step, reduced)
+            ledger.record_interval(loop_step=progress.step, samples_seen=progress.samples_seen,
+                                   optimizer_updates=progress.optimizer_updates,
+                                   effective_batch_size=arithmetic.effective_batch_size, lr=stepper.lr,
+                                   loss=reduced["loss"], wall_time_s=time.perf_counter() - start_time,
+                                   extra={k: v for k, v in reduced.items() if k not in ("loss", "lr")})
+            if bar is not None:
+                bar.set_postfix(loss=f"{reduced['loss']:.4f}", lr=f"{stepper.lr:.2e}")
+        if bar is not None:
+            bar.update(1)
+        if cfg.checkpoint.save_checkpoint and (progress.step % cfg.checkpoint.save_freq == 0 or progress.step == cfg.steps):
+            save_items.training_step = _training_step_record(progress, sampler, cfg, dims, arithmetic, run_facts)
+            checkpoints.save(progress.step, model, optimizer, save_items)  # collective
+
+    if bar is not None:
+        bar.close()
+    ledger.close()
+    metrics_log.close()
+    result = {"output_dir": str(output_dir), "progress": progress.__dict__.copy(), "final_loss": reduced["loss"]}
+    accelerator.wait_for_everyone()
+    if cfg.eval.n_episodes > 0 and dims.is_main_process:  # after the last collective: other ranks may exit
+        result["eval"] = _evaluate(output_dir, cfg)
+    accelerator.end_training()
+    return result
+
+
+# --- the pieces train() calls ------------------------------------------------------------------------------
+
+
+def _action_deltas(cfg: TrainConfig, root: str) -> dict[str, list[float]]:
+    """Action chunks of ``policy.chunk_size`` frames from the current one on."""
+    import json
+
+    fps = json.loads((Path(root) / "meta" / "info.json").read_text())["fps"]
+    return {"action": [i / fps for i in range(cfg.policy.chunk_size)]}
+
+
+def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int):
+    """Endless batches; one DataLoader pass per epoch, starting at the sampler's saved position.
+
+    Each pass gets its own generator: a DataLoader otherwise draws its worker seed from the global RNG when
+    its iterator starts, and a resumed run (which starts an iterator mid-epoch) would drift from a straight one.
+    """
+    while True:
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
+            pin_memory=torch.cuda.is_available(),
+            generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
+        )
+        yield from loader
+
+
+def _derived(arithmetic: BatchArithmetic, dims: ParallelDims) -> dict[str, Any]:
+    return {**arithmetic.as_dict(), "banner": arithmetic.banner(), "topology": dims.to_dict()}
+
+
+def _save_run_configs(output_dir: Path, train_config: dict, composed: DictConfig | None, resumed: bool) -> None:
+    """The composed (with interpolations) and the resolved config, once per run (a resume keeps the originals;
+    each checkpoint carries the config it was saved under)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if resumed and (output_dir / layout.TRAIN_CONFIG_JSON).exists():
+        return
+    write_json(output_dir / layout.TRAIN_CONFIG_JSON, train_config)
+    if composed is not None:
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(composed, resolve=False))
+
+
+def _run_facts(cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset, arithmetic: BatchArithmetic) -> dict:
+    return {"code_revision": code_revision(), "dataset_fingerprint": dataset.fingerprint(), "dataset_root": cfg.dataset.root}
+
+
+def _training_step_record(progress: Progress, sampler: ResumableBatchSampler, cfg: TrainConfig, dims: ParallelDims,
+                          arithmetic: BatchArithmetic, run_facts: dict) -> dict[str, Any]:
+    return {
+        "step": progress.step,
+        "dp_world_size": dims.dp_world_size,
+        "batch_size": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.accelerator.gradient_accumulation.steps,
+        "effective_batch_size": arithmetic.effective_batch_size,
+        "mixed_precision": cfg.accelerator.mixed_precision,
+        "topology": dims.to_dict(),
+        "world_size": dims.world_size,
+        "checkpoint_format": cfg.checkpoint.format,
+        "progress": progress.__dict__.copy(),
+        "sampler": sampler.state_dict(),
+        **run_facts,
+    }
+
+
+def _warn_resume_differences(saved: dict, cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset,
+                             continuation: str) -> None:
+    logger.info(continuation)
+    if saved["topology"] != dims.to_dict():
+        logger.warning("Resuming on a new topology: %s -> %s (model and optimizer state resharded).",
+                       saved["topology"], dims.to_dict())
+    if saved.get("dataset_fingerprint") != dataset.fingerprint():
+        logger.warning("The dataset differs from the checkpoint's (fingerprint %s -> %s): the sample stream is not "
+                       "the original one.", saved.get("dataset_fingerprint"), dataset.fingerprint())
+    now = code_revision()
+    if saved.get("code_revision") != now:
+        logger.warning("The code revision changed since the checkpoint: %s -> %s.", saved.get("code_revision"), now)
+    if saved["gradient_accumulation_steps"] != cfg.accelerator.gradient_accumulation.steps:
+        logger.warning("gradient accumulation changed at resume: %s -> %s steps per optimizer update.",
+                       saved["gradient_accumulation_steps"], cfg.accelerator.gradient_accumulation.steps)
+
+
+def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithmetic, policy: torch.nn.Module,
+                  dataset: LeRobotDataset, output_dir: Path, progress: Progress, continuation: str | None) -> None:
+    if not dims.is_main_process:
+        return
+    num_params = sum(p.numel() for p in policy.parameters())
+    lines = [
+        f"lerobot_mg train: {cfg.job_name} -> {output_dir}",
+        f"  topology: {dims.describe()} (world size {dims.world_size})",
+        f"  batch: {arithmetic.banner()}",
+        f"  steps: {cfg.steps} loop steps = {arithmetic.sample_presentations(cfg.steps)} sample presentations, "
+        f"{arithmetic.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
+        f"  precision: {cfg.accelerator.mixed_precision}  checkpoint format: {cfg.checkpoint.format}",
+        f"  policy: {cfg.policy.type} ({num_params / 1e6:.2f}M params)  dataset: {dataset.root} "
+        f"({len(dataset)} frames, {dataset.num_episodes} episodes)",
+    ]
+    if progress.step:
+        lines.append(f"  resumed at loop step {progress.step}: {continuation}")
+    print("\n".join(lines), flush=True)
+
+
+def _progress_bar(cfg: TrainConfig, dims: ParallelDims, start: int):
+    if not (cfg.logging.progress_bar and dims.is_main_process):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _evaluate(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
+    """Roll out the last checkpoint in simulation (needs the `sim` extra); main process only."""
+    from lerobot_mg.sim.evaluate import evaluate_policy
+
+    pretrained = layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR
+    video_dir = output_dir / "eval_videos" if cfg.eval.n_video_episodes > 0 else None
+    result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
+                             video_dir=video_dir)
+    write_json(output_dir / "eval_info.json", result)
+    print(f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/{result['n_episodes']}), "
+          f"mean return {result['mean_return']:.1f}; checkpoint: {pretrained}", flush=True)
+    return result
