@@ -163,7 +163,8 @@ def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) ->
         kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
     for _, unit in units:
         fully_shard(unit, **kwargs)
-    logger.info("FSDP wrap units (%s): %d units, e.g. %s", rule, len(units), units[-1][0])
+    if accelerator.is_main_process:
+        logger.info("FSDP wrap units (%s): %d units, e.g. %s", rule, len(units), units[-1][0])
     return [name for name, _ in units]
 
 

@@ -1,0 +1,87 @@
+"""Launch real training processes from tests: python, torchrun or accelerate launch, with a watchdog.
+
+Every launch runs with OMP_NUM_THREADS=1, without inherited accelerate variables, and is killed after
+``timeout`` seconds so a deadlock fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+PUSHT_SLICE = SHARED / "datasets" / "pusht_image_slice"
+TRAIN_SCRIPT = REPO / "scripts" / "train.py"
+PYTHON = sys.executable
+
+# A small, fast state-only ACT on the real PushT slice (420 frames).
+TINY_RUN = [
+    "experiment=pusht_debug",
+    f"dataset.root={PUSHT_SLICE}",
+    "logging.progress_bar=false",
+    "logging.wandb.mode=disabled",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "LEROBOT_ALLOW"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1", WANDB_MODE="disabled")
+    env.update(extra or {})
+    return env
+
+
+def launch_command(nproc: int, launcher: str) -> list[str]:
+    if launcher == "python":
+        assert nproc == 1
+        return [PYTHON, str(TRAIN_SCRIPT)]
+    if launcher == "torchrun":
+        return [PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(TRAIN_SCRIPT)]
+    if launcher == "accelerate":
+        # --multi_gpu: on a CPU-only host accelerate otherwise starts a single process (on GPU hosts
+        # `--num_processes=N` alone picks the multi-process launcher).
+        return [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
+                f"--main_process_port={free_port()}", "--mixed_precision=no", "--dynamo_backend=no",
+                str(TRAIN_SCRIPT)]
+    raise ValueError(launcher)
+
+
+def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None, timeout: float = 300,
+              env: dict[str, str] | None = None, check: bool = True, cwd: Path | None = None,
+              ) -> subprocess.CompletedProcess:
+    """Run scripts/train.py for real; returns the completed process (stdout+stderr in .stdout)."""
+    launcher = launcher or ("python" if nproc == 1 else "torchrun")
+    cmd = [*launch_command(nproc, launcher), *overrides]
+    try:
+        proc = subprocess.run(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # the watchdog: a hang is a failure with its output
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{out[-6000:]}") from None
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-8000:]}")
+    return proc
+
+
+def last_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "last" / "pretrained_model" / "model.safetensors"))
+
+
+def weights_at(run_dir: Path, step: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"{step:06d}" / "pretrained_model" / "model.safetensors"))
