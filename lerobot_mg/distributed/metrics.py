@@ -46,6 +46,11 @@ class IntervalMetrics:
         total_steps, total_samples = packed[-2].item(), packed[-1].item()
         out = {k: packed[i].item() / max(total_steps, 1.0) for i, k in enumerate(keys)}
         out["samples/s"] = total_samples / max(elapsed, 1e-9)
+        if self.device.type == "cuda":  # the largest peak over ranks
+            peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 1e9], device=self.device)
+            if self.dims.is_distributed:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out["gpu_peak_memory_gb"] = round(peak.item(), 3)
         self._sums, self._num_steps, self._num_samples = {}, 0, 0
         self.start = time.perf_counter()
         return out

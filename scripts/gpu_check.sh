@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU check (not part of CI): what only a GPU can show. About 5 minutes on one GPU.
+#
+#   bash scripts/gpu_check.sh            # needs a CUDA torch in .venv or on the PATH's python
+#
+# 1. NCCL path: a 1-GPU run goes through the same Accelerate factory (single process, then torchrun with 1 rank
+#    and parallelism.dp_shard=-1 so FSDP2 is built on NCCL, not the CPU rehearsal).
+# 2. bf16 and fp16 on CUDA (fp16 builds accelerate's own GradScaler on the GPU).
+# 3. accelerator.fsdp.cpu_offload=true with pinned host memory.
+# 4. Peak GPU memory of each run (torch.cuda.max_memory_allocated, printed by the inline probe below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+DATA=${DATA:-../shared/datasets/pusht_image_slice}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=4 WANDB_MODE=disabled
+
+$PY - <<'PY'
+import torch, torch.distributed as dist
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
+print("nccl available:", dist.is_nccl_available(), "nccl version:", torch.cuda.nccl.version())
+PY
+
+common=(experiment=pusht_debug "dataset.root=$DATA" steps=40 batch_size=32 log_freq=10 logging.progress_bar=false
+        policy.dim_model=512 policy.n_heads=8 policy.dim_feedforward=2048 policy.observation_keys='[observation.state,observation.image]')
+
+run() {  # name, launcher..., overrides...
+  local name=$1; shift
+  echo "== $name"
+  local start=$SECONDS
+  "$@" "${common[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|Error|error" || true
+  $PY - "$OUT/$name" <<'PY'
+import json, sys, pathlib
+run = pathlib.Path(sys.argv[1])
+lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+print(f"   loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}, samples/s {lines[-1]['samples/s']:.0f}, "
+      f"peak GPU memory {lines[-1].get('gpu_peak_memory_gb', 'n/a')} GB")
+PY
+  echo "   wall ${SECONDS}s total so far (started at ${start}s)"
+}
+
+TR=($PY -m torch.distributed.run --nproc-per-node=1 --master-port=29555 scripts/train.py)
+run fp32_single      $PY scripts/train.py
+run bf16_single      $PY scripts/train.py accelerator.mixed_precision=bf16
+run fp16_single      $PY scripts/train.py accelerator.mixed_precision=fp16
+run fsdp_bf16_nccl   "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16
+run fsdp_fp16_nccl   "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=fp16
+run fsdp_offload     "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 accelerator.fsdp.cpu_offload=true
+run fsdp_dcp_resume0 "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp steps=20
+echo "== resume from DCP on NCCL"
+"${TR[@]}" resume=true "config_path=$OUT/fsdp_dcp_resume0/checkpoints/last/pretrained_model/train_config.json" steps=40 2>&1 | grep -E "resumed|Error" || true
+echo "gpu_check done"
