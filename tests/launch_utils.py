@@ -7,6 +7,7 @@ Every launch runs with OMP_NUM_THREADS=1, without inherited accelerate variables
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,12 +69,16 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
     """Run scripts/train.py for real; returns the completed process (stdout+stderr in .stdout)."""
     launcher = launcher or ("python" if nproc == 1 else "torchrun")
     cmd = [*launch_command(nproc, launcher), *overrides]
+    # A new session, so the watchdog can kill the launcher together with every rank it started.
+    proc = subprocess.Popen(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # the watchdog: a hang is a failure with its output
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{out[-6000:]}") from None
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{(stdout or '')[-6000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, None)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-8000:]}")
     return proc

@@ -39,7 +39,9 @@ def normalize_argv(argv: list[str]) -> list[str]:
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The typed object of a composed (or loaded) config; raises on unknown keys or wrong types."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    # Merge a plain container: a `+key=value` override opens the struct flag of the composed node, and merging
+    # the node itself would let an unknown (typo) key through.
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

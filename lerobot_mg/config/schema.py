@@ -34,7 +34,11 @@ class GradientAccumulationConfig:
 @dataclass
 class MixedPrecisionPolicyConfig:
     """Fields of torch's ``MixedPrecisionPolicy`` applied to every FSDP unit. Once any is set, the policy is
-    built from these fields alone and replaces the one derived from ``accelerator.mixed_precision``."""
+    built from these fields alone and replaces the one derived from ``accelerator.mixed_precision``, so set
+    ``param_dtype`` too. An unset ``reduce_dtype`` follows ``param_dtype`` on the installed torch 2.13 (gradients
+    are reduce-scattered in bfloat16 under ``param_dtype=bfloat16``; tests/dist/test_fsdp_options.py pins it);
+    from torch 2.15 it follows the parameters' own dtype. ``float16`` needs ``accelerator.mixed_precision=fp16``,
+    which builds the loss scaler."""
 
     param_dtype: str | None = None
     reduce_dtype: str | None = None

@@ -196,8 +196,11 @@ def sync_ignored_grads(params: list[nn.Parameter], world_size: int) -> None:
 def sync_found_inf(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> None:
     """After the loss scaler unscaled the gradients: an inf/nan on any rank makes every rank skip the step.
 
-    Under sharding each rank unscales only its own gradient shards, so without this a rank whose shard holds
-    the overflow would skip while the others step. Collective: every rank must call it, on sync steps.
+    Gradients that were reduced across ranks carry an overflow to every rank, and on torch 2.13 the DTensor
+    dispatcher already takes the max of ``found_inf`` over the shards of FSDP2 gradients. This explicit
+    all-reduce is the guard that does not depend on either: an inf that appears after the reduction (or
+    in a parameter FSDP ignores) still makes all ranks skip together. Collective: every rank must call it,
+    on sync steps.
     """
     scaler = accelerator.scaler
     if scaler is None or accelerator.num_processes == 1:
