@@ -117,15 +117,19 @@ def test_loss_ignores_padded_positions() -> None:
     assert abs(loss_changed_valid.item() - loss.item()) > 1e-3
 
 
-def test_l1_is_averaged_over_valid_elements() -> None:
+def test_l1_counts_padded_positions_as_zero_error_so_samples_weigh_equally() -> None:
+    # Equal per-sample weight makes the mean of per-rank losses (DDP/FSDP) equal the one-process loss.
     torch.manual_seed(0)
     policy = ACTPolicy(tiny_config(use_vae=False, dropout=0.0), STATE_ONLY_INPUTS, OUTPUTS).train()
     batch = make_batch(STATE_ONLY_INPUTS, num_padded=2)
     with torch.no_grad():
         prediction = policy.model(batch)[0]
         _, logs = policy(batch)
-    expected = (prediction - batch["action"])[:, : CHUNK - 2].abs().mean().item()
-    assert logs["l1_loss"] == pytest.approx(expected, rel=1e-6)
+        per_sample = [policy({k: v[i : i + 1] for k, v in batch.items()})[1]["l1_loss"] for i in range(BATCH)]
+    error = (prediction - batch["action"]).abs()
+    error[:, CHUNK - 2 :] = 0.0
+    assert logs["l1_loss"] == pytest.approx(error.mean().item(), rel=1e-6)
+    assert logs["l1_loss"] == pytest.approx(sum(per_sample) / BATCH, rel=1e-5)
 
 
 def test_vae_off_has_no_kl_and_no_vae_modules() -> None:

@@ -366,7 +366,7 @@ class ACTPolicy(PreTrainedPolicy):
             )
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """L1 over non-padded action positions + kl_weight * KL (when the VAE ran)."""
+        """L1 over action positions (padded ones count as zero error) + kl_weight * KL (when the VAE ran)."""
         self._check_inputs(batch, need_action=True)
         actions_hat_BTA, mu, log_sigma_x2 = self.model(batch)
         target_BTA = batch["action"]
@@ -376,8 +376,11 @@ class ACTPolicy(PreTrainedPolicy):
         valid_BT1 = ~action_is_pad_BT[..., None]
         # where() rather than a multiply so that NaN targets at padded positions cannot leak into the loss.
         abs_error_BTA = torch.where(valid_BT1, (actions_hat_BTA.float() - target_BTA.float()).abs(), 0.0)
-        num_valid = valid_BT1.sum() * target_BTA.shape[-1]
-        l1_loss = abs_error_BTA.sum() / num_valid.clamp_min(1)
+        # Mean over every position, padded ones counting as zero error (as LeRobot's ACT does): each sample weighs
+        # the same whatever its padding, so the mean over data-parallel ranks of per-rank losses equals the loss of
+        # one process on the whole global batch. A mean over valid positions only would not (per-rank
+        # denominators differ) and DDP/FSDP would drift from a single-process run on padded chunks.
+        l1_loss = abs_error_BTA.mean()
         if mu is not None and log_sigma_x2 is not None:
             mu, log_sigma_x2 = mu.float(), log_sigma_x2.float()
             # KL(N(mu, sigma) || N(0, 1)) summed over latent dims, averaged over the batch.
