@@ -1,0 +1,352 @@
+"""Reader for the LeRobot v3.0 on-disk dataset format, from a local directory.
+
+Layout (names as in huggingface/lerobot ``src/lerobot/datasets/utils.py``)::
+
+    meta/info.json            fps, features, path templates, codebase_version "v3.0"
+    meta/stats.json           {feature: {min, max, mean, std, count, q01, ...}}
+    meta/tasks.parquet        task_index + the task string (pandas index "task", or "__index_level_0__")
+    meta/episodes/chunk-*/file-*.parquet   one row per episode: length, dataset_from_index/_to_index,
+                              data/chunk_index, data/file_index, videos/<key>/{chunk_index, file_index,
+                              from_timestamp, to_timestamp}, stats/<key>/<stat>
+    data/chunk-*/file-*.parquet            one row per frame; images as struct<bytes: PNG, path>
+    videos/<key>/chunk-*/file-*.mp4        several episodes per file, one after the other
+
+The numeric columns are read once into numpy arrays; images are decoded per item and video frames
+are decoded per item by seeking (see ``lerobot_mg.data.video`` for the accuracy of video frames).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+from lerobot_mg.data.video import VideoFrameReader
+
+CODEBASE_VERSION = "v3.0"
+INFO_PATH = "meta/info.json"
+STATS_PATH = "meta/stats.json"
+TASKS_PATH = "meta/tasks.parquet"
+EPISODES_DIR = "meta/episodes"
+EPISODES_PATH = EPISODES_DIR + "/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+# Values LeRobot writes into info.json (utils.py: DEFAULT_CHUNK_SIZE, DEFAULT_*_FILE_SIZE_IN_MB).
+CHUNKS_SIZE = 1000
+DATA_FILES_SIZE_IN_MB = 100
+VIDEO_FILES_SIZE_IN_MB = 500
+DEFAULT_FEATURES: dict[str, dict] = {
+    "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+    "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+    "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+    "index": {"dtype": "int64", "shape": [1], "names": None},
+    "task_index": {"dtype": "int64", "shape": [1], "names": None},
+}
+_VISUAL_DTYPES = ("image", "video")
+
+
+def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
+    """``(N, *shape)`` array from a scalar or (nested, fixed or variable size) list column."""
+    array = column.combine_chunks()
+    while (
+        pa.types.is_list(array.type)
+        or pa.types.is_fixed_size_list(array.type)
+        or pa.types.is_large_list(array.type)
+    ):
+        array = array.flatten()
+    return array.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
+
+
+def _decode_png(data: bytes) -> torch.Tensor:
+    # BytesIO shares the bytes object until written to, so this does not copy the PNG payload.
+    image_HWC = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    return torch.from_numpy(image_HWC.copy()).permute(2, 0, 1).float().div_(255.0)
+
+
+class LeRobotDataset(torch.utils.data.Dataset):
+    """Frames of a local LeRobot v3.0 dataset as dicts of tensors.
+
+    ``dataset[i]`` holds every feature: float features as float32 tensors of the feature's shape,
+    images and video frames as float32 ``(C, H, W)`` in [0, 1], ``index``/``episode_index``/
+    ``frame_index``/``task_index`` as int64 scalars, ``timestamp`` as a float32 scalar and ``task``
+    as a string. A key in ``delta_timestamps`` gets a leading time dim: frames at those offsets (in
+    seconds, multiples of 1/fps) from the current one, clamped to the episode's first/last frame,
+    with ``<key>_is_pad`` (bool ``(T,)``) marking the clamped ones.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        delta_timestamps: dict[str, list[float]] | None = None,
+        episodes: list[int] | None = None,
+        tolerance_s: float = 1e-4,
+    ) -> None:
+        self.root = Path(root)
+        info_path = self.root / INFO_PATH
+        if not info_path.is_file():
+            raise ValueError(
+                f"{info_path} does not exist: {self.root} is not a LeRobot dataset (or its writer did not "
+                "finish). Point the dataset root at a folder with meta/info.json."
+            )
+        self.info: dict = json.loads(info_path.read_text())
+        version = str(self.info.get("codebase_version"))
+        if not version.startswith("v3."):
+            raise ValueError(
+                f"{self.root} has codebase_version={version!r}; this reader reads LeRobot v3.x datasets only. "
+                "Convert older datasets with LeRobot's v2.1 -> v3.0 conversion script."
+            )
+        self.fps = int(self.info["fps"])
+        self.features: dict[str, dict] = self.info["features"]
+        self.tolerance_s = tolerance_s
+        self.camera_keys = [key for key, ft in self.features.items() if ft["dtype"] in _VISUAL_DTYPES]
+        self.video_keys = [key for key, ft in self.features.items() if ft["dtype"] == "video"]
+        self.stats = self._load_stats()
+        self._task_names = self._load_tasks()
+        self.delta_indices = self._delta_indices(delta_timestamps or {})
+
+        episodes_table = self._load_episodes_table()
+        available = episodes_table.column("episode_index").to_pylist()
+        if episodes is not None:
+            unknown = sorted(set(episodes) - set(available))
+            if unknown:
+                raise ValueError(
+                    f"episodes={episodes} asks for episodes {unknown}, which {self.root} does not have; "
+                    f"it has episodes {available[0]}..{available[-1]} ({len(available)} in all)."
+                )
+            mask = pc.is_in(episodes_table.column("episode_index"), value_set=pa.array(sorted(set(episodes))))
+            episodes_table = episodes_table.filter(mask)
+        self.episode_indices: list[int] = episodes_table.column("episode_index").to_pylist()
+        self.num_episodes = len(self.episode_indices)
+        self._load_frames(episodes_table)
+        self._video_reader = VideoFrameReader()
+
+    # ----------------------------------------------------------------------------------- loading
+
+    def _load_stats(self) -> dict[str, dict[str, torch.Tensor]]:
+        stats_path = self.root / STATS_PATH
+        # Stats are optional in the format (a dataset can be read before stats are computed).
+        if not stats_path.is_file():
+            return {}
+        raw = json.loads(stats_path.read_text())
+        return {
+            key: {
+                name: torch.tensor(np.asarray(value, dtype=np.float32))
+                for name, value in feature_stats.items()
+            }
+            for key, feature_stats in raw.items()
+        }
+
+    def _load_tasks(self) -> dict[int, str]:
+        table = pq.read_table(self.root / TASKS_PATH)
+        # pandas writes the task strings as its index: a column named after the index ("task" in
+        # LeRobot's files) or "__index_level_0__" when the index was unnamed.
+        for name in ("task", "__index_level_0__"):
+            if name in table.column_names:
+                tasks = table.column(name).to_pylist()
+                break
+        else:
+            raise ValueError(
+                f"{self.root / TASKS_PATH} has columns {table.column_names}; expected the task strings in a "
+                "'task' or '__index_level_0__' column next to 'task_index'."
+            )
+        return dict(zip(table.column("task_index").to_pylist(), tasks))
+
+    def _load_episodes_table(self) -> pa.Table:
+        paths = sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
+        if not paths:
+            raise ValueError(
+                f"no episodes table under {self.root / EPISODES_DIR}; the dataset is incomplete."
+            )
+        tables = []
+        for path in paths:
+            # The per-episode stats columns are large and unused here.
+            names = [name for name in pq.read_schema(path).names if not name.startswith("stats/")]
+            tables.append(pq.read_table(path, columns=names))
+        table = pa.concat_tables(tables, promote_options="permissive")
+        return table.sort_by("episode_index")
+
+    def _load_frames(self, episodes_table: pa.Table) -> None:
+        data_files = sorted(
+            set(
+                zip(
+                    episodes_table.column("data/chunk_index").to_pylist(),
+                    episodes_table.column("data/file_index").to_pylist(),
+                )
+            )
+        )
+        data_template = self.info.get("data_path", DATA_PATH)
+        wanted = pa.array(self.episode_indices, type=pa.int64())
+        tables = []
+        for chunk_index, file_index in data_files:
+            table = pq.read_table(
+                self.root / data_template.format(chunk_index=chunk_index, file_index=file_index)
+            )
+            tables.append(table.filter(pc.is_in(table.column("episode_index"), value_set=wanted)))
+        table = pa.concat_tables(tables, promote_options="permissive")
+        table = table.take(pc.sort_indices(table.column("index")))
+        self.num_frames = table.num_rows
+
+        self._numeric: dict[str, np.ndarray] = {}
+        self._images: dict[str, pa.BinaryArray] = {}
+        self._strings: dict[str, list[str]] = {}
+        for key, feature in self.features.items():
+            dtype = feature["dtype"]
+            if dtype == "video":
+                continue
+            if key not in table.column_names:
+                raise ValueError(
+                    f"feature {key!r} of meta/info.json has no column in the data files of {self.root}."
+                )
+            if dtype == "image":
+                images = table.column(key).combine_chunks().field("bytes")
+                if images.null_count:
+                    raise ValueError(
+                        f"{self.root}: {images.null_count} frames of image feature {key!r} have no embedded "
+                        "bytes; this reader needs images embedded in the parquet files."
+                    )
+                self._images[key] = images
+            elif dtype == "string":
+                self._strings[key] = table.column(key).to_pylist()
+            else:
+                # Default features are scalars per frame; others keep their declared shape.
+                shape = () if key in DEFAULT_FEATURES else tuple(feature["shape"])
+                self._numeric[key] = _column_to_numpy(table.column(key), shape)
+
+        episode_index = self._numeric["episode_index"]
+        is_first = np.r_[True, episode_index[1:] != episode_index[:-1]]
+        starts = np.flatnonzero(is_first)
+        ends = np.r_[starts[1:], self.num_frames]
+        lengths = dict(
+            zip(
+                episodes_table.column("episode_index").to_pylist(),
+                episodes_table.column("length").to_pylist(),
+            )
+        )
+        for start, end in zip(starts, ends):
+            episode = int(episode_index[start])
+            if lengths.get(episode) != end - start:
+                raise ValueError(
+                    f"{self.root}: episode {episode} has {end - start} frames in the data files but length "
+                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent."
+                )
+        self._episode_start = np.repeat(starts, ends - starts)
+        self._episode_end = np.repeat(ends, ends - starts)
+
+        # Per episode and video key: (mp4 path, the episode's start time inside that file).
+        video_template = self.info.get("video_path") or VIDEO_PATH
+        self._video_locations: dict[int, dict[str, tuple[Path, float]]] = {}
+        for row in episodes_table.select(
+            ["episode_index"]
+            + [
+                f"videos/{key}/{name}"
+                for key in self.video_keys
+                for name in ("chunk_index", "file_index", "from_timestamp")
+            ]
+        ).to_pylist():
+            self._video_locations[row["episode_index"]] = {
+                key: (
+                    self.root
+                    / video_template.format(
+                        video_key=key,
+                        chunk_index=row[f"videos/{key}/chunk_index"],
+                        file_index=row[f"videos/{key}/file_index"],
+                    ),
+                    float(row[f"videos/{key}/from_timestamp"]),
+                )
+                for key in self.video_keys
+            }
+
+    def _delta_indices(self, delta_timestamps: dict[str, list[float]]) -> dict[str, np.ndarray]:
+        """Frame offsets per key; each delta must be a multiple of 1/fps within ``tolerance_s``."""
+        delta_indices: dict[str, np.ndarray] = {}
+        for key, deltas in delta_timestamps.items():
+            if key not in self.features or key in DEFAULT_FEATURES:
+                raise ValueError(
+                    f"delta_timestamps has key {key!r}, which is not a feature of {self.root}; use one of "
+                    f"{[k for k in self.features if k not in DEFAULT_FEATURES]}."
+                )
+            if len(deltas) == 0:
+                raise ValueError(
+                    f"delta_timestamps[{key!r}] is empty; give at least one offset (e.g. [0.0])."
+                )
+            offsets = np.asarray(deltas, dtype=np.float64) * self.fps
+            rounded = np.round(offsets)
+            off_grid = np.abs(offsets - rounded) / self.fps > self.tolerance_s
+            if off_grid.any():
+                bad = [deltas[i] for i in np.flatnonzero(off_grid)]
+                raise ValueError(
+                    f"delta_timestamps[{key!r}] has {bad}, which are not multiples of 1/fps = {1 / self.fps:.6f}s "
+                    f"(fps={self.fps}) within tolerance_s={self.tolerance_s}; use k/{self.fps} for integer k."
+                )
+            delta_indices[key] = rounded.astype(np.int64)
+        return delta_indices
+
+    # ----------------------------------------------------------------------------------- access
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor | str]:
+        if not 0 <= idx < self.num_frames:
+            raise IndexError(f"index {idx} is out of range for a dataset of {self.num_frames} frames.")
+        item: dict[str, torch.Tensor | str] = {}
+        rows_by_key: dict[str, np.ndarray | int] = {}
+        for key, offsets in self.delta_indices.items():
+            start, end = self._episode_start[idx], self._episode_end[idx]
+            query = idx + offsets
+            rows_by_key[key] = np.clip(query, start, end - 1)
+            item[f"{key}_is_pad"] = torch.from_numpy((query < start) | (query >= end))
+
+        for key, values in self._numeric.items():
+            tensor = torch.tensor(values[rows_by_key.get(key, idx)])
+            item[key] = tensor.float() if tensor.is_floating_point() else tensor
+        for key, values in self._strings.items():
+            item[key] = values[idx]
+        for key, images in self._images.items():
+            rows = rows_by_key.get(key)
+            if rows is None:
+                item[key] = _decode_png(images[idx].as_py())
+            else:
+                item[key] = torch.stack([_decode_png(images[int(row)].as_py()) for row in rows])
+        if self.video_keys:
+            locations = self._video_locations[int(self._numeric["episode_index"][idx])]
+            for key in self.video_keys:
+                rows = rows_by_key.get(key)
+                frame_rows = np.atleast_1d(idx if rows is None else rows)
+                path, from_timestamp = locations[key]
+                timestamps = [from_timestamp + float(t) for t in self._numeric["timestamp"][frame_rows]]
+                frames_THWC = self._video_reader.decode(path, timestamps, self.tolerance_s)
+                frames = torch.from_numpy(frames_THWC).permute(0, 3, 1, 2).float().div_(255.0)
+                item[key] = frames[0] if rows is None else frames
+        item["task"] = self._task_names[int(self._numeric["task_index"][idx])]
+        return item
+
+    def fingerprint(self) -> str:
+        """Short stable hash of the dataset revision on disk (not of the ``episodes`` selection):
+        info.json, stats.json and the episodes table by content, data and video files by name and size."""
+        digest = hashlib.sha256()
+        meta_files = [self.root / INFO_PATH, self.root / STATS_PATH]
+        meta_files += sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
+        for path in meta_files:
+            if path.is_file():
+                digest.update(path.relative_to(self.root).as_posix().encode())
+                digest.update(path.read_bytes())
+        media_files = sorted((self.root / "data").glob("chunk-*/file-*.parquet"))
+        media_files += sorted((self.root / "videos").glob("*/chunk-*/file-*.mp4"))
+        for path in media_files:
+            digest.update(f"{path.relative_to(self.root).as_posix()}:{path.stat().st_size}".encode())
+        return digest.hexdigest()[:16]
+
+    def __getstate__(self) -> dict:
+        # Open video containers cannot cross a process boundary (DataLoader workers under spawn).
+        state = self.__dict__.copy()
+        state["_video_reader"] = VideoFrameReader()
+        return state

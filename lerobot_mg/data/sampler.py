@@ -1,0 +1,156 @@
+"""A data-parallel batch sampler whose position survives a resume, even on another topology.
+
+Each epoch is one permutation of the dataset, drawn from a generator seeded by (seed, epoch) only:
+the *global* stream. Loop step ``k`` of an epoch consumes the window of ``G = batch_size *
+world_size`` positions starting at ``offset + k * G``, and rank ``r`` takes the ``r``-th contiguous
+``batch_size`` slice of it. Two runs with the same ``G`` therefore see the same global batches
+whatever their split into (batch_size, world_size), and the saved state is just (epoch, offset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields this rank's micro-batch indices for each remaining loop step of the current epoch.
+
+    Iterating does not move the position (DataLoader workers prefetch ahead of the loop): the loop
+    calls ``advance()`` once per step it has consumed, which rolls over to the next epoch at the end.
+    The last ``num_samples % G`` positions of each permutation are dropped (drop_last).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank={rank} and world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size."
+            )
+        global_batch_size = batch_size * world_size
+        if num_samples < global_batch_size:
+            raise ValueError(
+                f"the dataset has {num_samples} samples, fewer than one global batch of batch_size={batch_size} x "
+                f"world size {world_size} = {global_batch_size}; lower batch_size or use fewer processes."
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.global_batch_size = global_batch_size
+        self.num_steps_per_epoch = num_samples // global_batch_size
+        self.epoch = 0
+        self.offset = 0
+        self.resume_message: str | None = None
+        self._cached_epoch: int | None = None
+        self._cached_permutation = torch.empty(0, dtype=torch.int64)
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The global order of sample indices for ``epoch``, a function of (seed, epoch) only."""
+        if self._cached_epoch != epoch:
+            if self.shuffle:
+                # SeedSequence mixes (seed, epoch) so that e.g. (0, 1) and (1, 0) give unrelated streams.
+                mixed_seed = int(
+                    np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0]
+                )
+                generator = torch.Generator().manual_seed(mixed_seed)
+                self._cached_permutation = torch.randperm(self.num_samples, generator=generator)
+            else:
+                self._cached_permutation = torch.arange(self.num_samples)
+            self._cached_epoch = epoch
+        return self._cached_permutation
+
+    def _batch_at(self, epoch: int, window_start: int, rank: int) -> list[int]:
+        start = window_start + rank * self.batch_size
+        return self.permutation(epoch)[start : start + self.batch_size].tolist()
+
+    def indices_for_step(self, epoch: int, step_in_epoch: int, rank: int) -> list[int]:
+        """Rank ``rank``'s batch at step ``step_in_epoch`` of an epoch started from offset 0."""
+        if not 0 <= step_in_epoch < self.num_steps_per_epoch:
+            raise ValueError(f"step_in_epoch={step_in_epoch} is outside [0, {self.num_steps_per_epoch}).")
+        return self._batch_at(epoch, step_in_epoch * self.global_batch_size, rank)
+
+    def __len__(self) -> int:
+        return (self.num_samples - self.offset) // self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The position is read when iteration starts, not when the first batch is drawn.
+        return self._iterate(self.epoch, self.offset, len(self))
+
+    def _iterate(self, epoch: int, offset: int, num_steps: int) -> Iterator[list[int]]:
+        for step in range(num_steps):
+            yield self._batch_at(epoch, offset + step * self.global_batch_size, self.rank)
+
+    def advance(self, num_steps: int = 1) -> None:
+        if num_steps < 0:
+            raise ValueError(f"advance(num_steps={num_steps}) cannot go backwards.")
+        for _ in range(num_steps):
+            self.offset += self.global_batch_size
+            if self.offset + self.global_batch_size > self.num_samples:
+                self.epoch += 1
+                self.offset = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> str:
+        """Continues at the saved epoch and global sample offset; returns (and keeps in
+        ``resume_message``) how exact the continuation is for the log."""
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the sampler state was saved for a dataset of {state['num_samples']} samples, but this one has "
+                f"{self.num_samples}; resume with the same dataset (and episodes selection)."
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"the sampler state was saved with seed={state['seed']} but this run has seed={self.seed}; "
+                f"resume with seed={state['seed']} to continue the same sample order."
+            )
+        self.epoch = int(state["epoch"])
+        self.offset = int(state["offset"])
+        saved_batch_size, saved_world_size = int(state["batch_size"]), int(state["world_size"])
+        saved_global = saved_batch_size * saved_world_size
+        position = f"epoch {self.epoch}, sample offset {self.offset}"
+        if (saved_batch_size, saved_world_size) == (self.batch_size, self.world_size):
+            message = f"Data sampler resumed sample-exact at {position}."
+        elif saved_global == self.global_batch_size:
+            message = (
+                f"Data sampler resumed global-batch-exact at {position}: the global batch is still {saved_global} "
+                f"but split as batch_size={self.batch_size} x world size {self.world_size} instead of "
+                f"{saved_batch_size} x {saved_world_size}, so each rank sees different samples than before."
+            )
+        else:
+            message = (
+                f"Data sampler resumed position-exact only at {position}: the global batch changed from "
+                f"{saved_batch_size} x {saved_world_size} = {saved_global} to {self.batch_size} x "
+                f"{self.world_size} = {self.global_batch_size}, so batch boundaries differ from the original run."
+            )
+        if self.offset + self.global_batch_size > self.num_samples:
+            # Fewer samples left than one new global batch: this epoch has no step left.
+            self.epoch += 1
+            self.offset = 0
+            message += (
+                f" Too few samples remained for one global batch; continuing at epoch {self.epoch}, offset 0."
+            )
+        self.resume_message = message
+        return message

@@ -1,0 +1,183 @@
+"""MP4 encoding and seek-based decoding with PyAV for LeRobot v3.0 ``video`` features.
+
+In v3.0 several episodes share one video file: an episode's frames start at its ``from_timestamp``
+in that file, so frame ``t`` of an episode sits at ``from_timestamp + timestamp[t]``.
+
+Accuracy: frames come back exactly at the requested presentation time (within ``tolerance_s``),
+but their pixels are lossy. With the encoder settings below and smooth content, decoded RGB
+values differ from the source by a mean absolute error of a few levels out of 255 (the
+round-trip test bounds it); noise-like images lose more.
+"""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+
+# Encoders tried in order for each user-facing codec name. libx264 is the usual H.264 encoder in
+# PyAV's bundled ffmpeg; "h264" names whatever H.264 encoder that build registers instead.
+_ENCODER_CANDIDATES: dict[str, tuple[str, ...]] = {
+    "h264": ("libx264", "h264"),
+    "av1": ("libsvtav1", "libaom-av1"),
+}
+# A keyframe every 2 frames keeps a random-access seek to at most one extra decoded frame, at the
+# cost of larger files (LeRobot's own encoder defaults use g=2 for the same reason). CRF 30 for
+# AV1 is LeRobot's default; for H.264, CRF 20 keeps small smooth test images within a few levels.
+_ENCODER_OPTIONS: dict[str, dict[str, str]] = {
+    "h264": {"g": "2", "crf": "20"},
+    "av1": {"g": "2", "crf": "30"},
+}
+PIX_FMT = "yuv420p"
+
+
+def resolve_encoder(codec: str) -> str:
+    """Returns the PyAV encoder name used for ``codec`` ("h264" or "av1") on this machine."""
+    if codec not in _ENCODER_CANDIDATES:
+        raise ValueError(f"video_codec={codec!r} is not supported; use one of {sorted(_ENCODER_CANDIDATES)}.")
+    for name in _ENCODER_CANDIDATES[codec]:
+        if name not in av.codecs_available:
+            continue
+        try:
+            av.codec.Codec(name, "w")
+        except (av.error.FFmpegError, ValueError):
+            continue
+        return name
+    raise ValueError(
+        f"video_codec={codec!r}: none of the encoders {list(_ENCODER_CANDIDATES[codec])} is available in "
+        f"this PyAV build (av {av.__version__}); pick another video_codec."
+    )
+
+
+def check_encodable(key: str, codec: str, height: int, width: int) -> str:
+    """Returns the encoder for ``codec``; raises if frames of ``height x width`` cannot be encoded."""
+    # yuv420p subsamples chroma 2x2, which the encoders only accept for even sizes.
+    if height % 2 or width % 2:
+        raise ValueError(
+            f"video feature {key!r} has frames of {height}x{width}, which cannot be encoded as {PIX_FMT}: "
+            "height and width must be even; resize the frames or store the feature with dtype 'image'."
+        )
+    return resolve_encoder(codec)
+
+
+class VideoEncoder:
+    """Appends RGB frames to one MP4 file; successive episodes continue the same timeline."""
+
+    def __init__(self, key: str, path: Path, fps: int, height: int, width: int, codec: str) -> None:
+        self.encoder_name = check_encodable(key, codec, height, width)
+        self.path = path
+        self.fps = fps
+        self.height = height
+        self.width = width
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._container = av.open(str(path), mode="w")
+        self._stream = self._container.add_stream(
+            self.encoder_name, rate=fps, options=dict(_ENCODER_OPTIONS[codec])
+        )
+        self._stream.width = width
+        self._stream.height = height
+        self._stream.pix_fmt = PIX_FMT
+        self._stream.time_base = Fraction(1, fps)
+        self.num_frames = 0
+
+    def add_frames(self, frames_THWC: np.ndarray) -> None:
+        if frames_THWC.dtype != np.uint8 or frames_THWC.shape[1:] != (self.height, self.width, 3):
+            raise ValueError(
+                f"video frames must be uint8 of shape (T, {self.height}, {self.width}, 3), got "
+                f"{frames_THWC.dtype} {tuple(frames_THWC.shape)}."
+            )
+        for frame_HWC in frames_THWC:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_HWC), format="rgb24")
+            frame.pts = self.num_frames
+            frame.time_base = Fraction(1, self.fps)
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+            self.num_frames += 1
+
+    def close(self) -> None:
+        for packet in self._stream.encode():
+            self._container.mux(packet)
+        self._container.close()
+
+    def info(self) -> dict[str, object]:
+        """The ``info`` block LeRobot stores for a video feature in meta/info.json."""
+        return {
+            "video.height": self.height,
+            "video.width": self.width,
+            "video.codec": av.codec.Codec(self.encoder_name, "w").canonical_name,
+            "video.pix_fmt": PIX_FMT,
+            "video.is_depth_map": False,
+            "video.fps": self.fps,
+            "video.channels": 3,
+            "has_audio": False,
+        }
+
+
+class VideoFrameReader:
+    """Decodes frames at given timestamps, keeping one open container per file and per process.
+
+    DataLoader workers fork the dataset: a container opened in the parent must not be used in a
+    child (its demuxer and decoder state are copies), so the cache belongs to the process that filled it.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._containers: dict[Path, av.container.InputContainer] = {}
+
+    def _container(self, path: Path) -> av.container.InputContainer:
+        if self._pid != os.getpid():
+            # Freeing the parent's copies here is safe only because they decode without threads.
+            self._containers = {}
+            self._pid = os.getpid()
+        if path not in self._containers:
+            container = av.open(str(path))
+            # Single-threaded decoding: a forked DataLoader worker inherits (and may garbage-collect)
+            # containers of its parent, and freeing a decoder whose threads live in another process
+            # hangs or segfaults. Workers already decode in parallel with each other.
+            container.streams.video[0].thread_type = "NONE"
+            container.streams.video[0].codec_context.thread_count = 1
+            self._containers[path] = container
+        return self._containers[path]
+
+    def decode(self, path: Path, timestamps_s: list[float], tolerance_s: float) -> np.ndarray:
+        """Returns uint8 frames ``(T, H, W, 3)``, the frame nearest each timestamp of ``path``.
+
+        Seeks once to the keyframe before the earliest timestamp, then decodes forward.
+        """
+        container = self._container(path)
+        stream = container.streams.video[0]
+        first_s, last_s = min(timestamps_s), max(timestamps_s)
+        container.seek(int(first_s / stream.time_base), stream=stream, backward=True, any_frame=False)
+        decoded_times_s: list[float] = []
+        decoded_frames: list[np.ndarray] = []
+        for frame in container.decode(stream):
+            frame_time_s = float(frame.pts * stream.time_base)
+            if frame_time_s < first_s - tolerance_s:
+                continue
+            decoded_times_s.append(frame_time_s)
+            decoded_frames.append(frame.to_ndarray(format="rgb24"))
+            if frame_time_s >= last_s - tolerance_s:
+                break
+        if not decoded_frames:
+            raise ValueError(f"no video frame at or after {first_s:.6f}s in {path}; the video is too short.")
+        times_s = np.asarray(decoded_times_s)
+        frames = []
+        for query_s in timestamps_s:
+            nearest = int(np.argmin(np.abs(times_s - query_s)))
+            if abs(times_s[nearest] - query_s) > tolerance_s:
+                raise ValueError(
+                    f"{path}: requested frame at {query_s:.6f}s but the nearest decoded frame is at "
+                    f"{times_s[nearest]:.6f}s (more than tolerance_s={tolerance_s} away); the video and "
+                    "the parquet timestamps disagree, or tolerance_s is too small for this file."
+                )
+            frames.append(decoded_frames[nearest])
+        return np.stack(frames)
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for container in self._containers.values():
+                container.close()
+            self._containers = {}

@@ -1,0 +1,17 @@
+from pathlib import Path
+
+import pytest
+
+from lerobot_mg.data.testing import TinyDataset, write_tiny_dataset
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path: Path) -> TinyDataset:
+    """A 3-episode dataset (state, action, env state, a PNG image and an h264 video feature)
+    written with our writer, with the values it wrote."""
+    return write_tiny_dataset(tmp_path / "tiny")
+
+
+@pytest.fixture
+def tiny_dataset_dir(tiny_dataset: TinyDataset) -> Path:
+    return tiny_dataset.root
