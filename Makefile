@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lerobot_mg-setup
 PYTEST_ARGS ?=
+# Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
+EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
 .PHONY: setup train test test-fast bench lint clean-outputs
 
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml
 # The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT, evaluate
 # it in simulation. About 10 minutes on 2 CPU cores.
 train: setup
-	$(PY) scripts/make_dataset.py
+	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)" --num_episodes 50
 	$(PY) scripts/train.py experiment=aloha_state
 
 test: setup

@@ -47,12 +47,12 @@ def compare_runs() -> None:
 
 
 def make_dataset() -> None:
-    from lerobot_mg.sim.generate import main
+    from lerobot_mg.sim.cli import make_dataset_main
 
-    main()
+    raise SystemExit(make_dataset_main())
 
 
 def eval_policy() -> None:
-    from lerobot_mg.sim.evaluate import main
+    from lerobot_mg.sim.cli import eval_main
 
-    main()
+    raise SystemExit(eval_main())

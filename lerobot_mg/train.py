@@ -281,9 +281,10 @@ def _evaluate(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
     from lerobot_mg.sim.evaluate import evaluate_policy
 
     pretrained = layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR
-    video_dir = output_dir / "eval_videos" if cfg.eval.n_video_episodes > 0 else None
+    video_dir = output_dir / "eval" / "videos" if cfg.eval.n_video_episodes > 0 else None
     result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
-                             video_dir=video_dir)
+                             video_dir=video_dir, n_video_episodes=cfg.eval.n_video_episodes,
+                             device="cuda" if torch.cuda.is_available() and not cfg.accelerator.cpu else "cpu")
     write_json(output_dir / "eval_info.json", result)
     print(f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/{result['n_episodes']}), "
           f"mean return {result['mean_return']:.1f}; checkpoint: {pretrained}", flush=True)

@@ -1,0 +1,273 @@
+"""Closed-loop evaluation in the transfer-cube scene: success rate, returns, optional videos.
+
+An episode succeeds when the reward reaches 4 (the left gripper holds the cube off the table) and
+ends there, as gym-aloha's environment terminates; otherwise it runs ``max_steps`` steps. Use
+held-out seeds (``HELD_OUT_SEED_START`` and up): dataset seeds stay below it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from lerobot_mg.sim.env import (
+    EPISODE_LENGTH,
+    FPS,
+    MAX_REWARD,
+    NUM_JOINTS,
+    CameraRenderer,
+    SimObservation,
+    TransferCubeSim,
+)
+from lerobot_mg.sim.expert import record_expert_demo
+from lerobot_mg.sim.generate import HELD_OUT_SEED_START, IMAGE_KEY
+
+# Video frames are rendered at this size unless the policy itself watches a camera (then its size).
+VIDEO_SIZE = (240, 320)
+SUPPORTED_INPUTS = ("observation.state", "observation.environment_state", IMAGE_KEY)
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    seed: int
+    success: bool
+    sum_reward: int
+    max_reward: int
+    num_steps: int
+
+
+class Controller(Protocol):
+    """Chooses a joint action from an observation dict (keys of ``SUPPORTED_INPUTS``)."""
+
+    image_size: tuple[int, int] | None  # (height, width) of the camera it watches, None for state only
+
+    def reset(self, seed: int) -> None: ...
+
+    def act(self, observation: dict[str, np.ndarray]) -> np.ndarray: ...
+
+
+class PolicyController:
+    """Runs a saved policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor."""
+
+    def __init__(self, pretrained_dir: Path, device: str = "cpu") -> None:
+        import torch
+
+        from lerobot_mg.policies.registry import load_policy
+        from lerobot_mg.processors import PolicyProcessorPipeline
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self.policy = load_policy(pretrained_dir, map_location=str(self.device))
+        self.preprocessor = PolicyProcessorPipeline.from_pretrained(pretrained_dir, "policy_preprocessor").to(
+            self.device
+        )
+        self.postprocessor = PolicyProcessorPipeline.from_pretrained(
+            pretrained_dir, "policy_postprocessor"
+        ).to(self.device)
+        inputs = self.policy.input_features
+        unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
+        if unsupported:
+            raise ValueError(
+                f"The policy in {pretrained_dir} reads {unsupported}, which the transfer-cube simulation does not "
+                f"provide (it provides {list(SUPPORTED_INPUTS)}). Evaluate a policy trained on the embedded "
+                "ALOHA dataset."
+            )
+        action_shape = list(self.policy.output_features["action"]["shape"])
+        if action_shape != [NUM_JOINTS]:
+            raise ValueError(
+                f"The policy in {pretrained_dir} outputs actions of shape {action_shape}; the ALOHA scene takes "
+                f"[{NUM_JOINTS}] joint positions."
+            )
+        self.image_size: tuple[int, int] | None = None
+        if IMAGE_KEY in inputs:
+            _, height, width = inputs[IMAGE_KEY]["shape"]
+            self.image_size = (int(height), int(width))
+
+    def reset(self, seed: int) -> None:
+        self.policy.reset()
+
+    def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+        torch = self._torch
+        batch = {}
+        for key in self.policy.input_features:
+            value = torch.from_numpy(observation[key]).to(self.device)
+            if key == IMAGE_KEY:
+                # Datasets decode video frames to float CHW in [0, 1]; the policy was trained on those.
+                value = value.permute(2, 0, 1).float() / 255.0
+            batch[key] = value.float().unsqueeze(0)
+        with torch.inference_mode():
+            action_BA = self.policy.select_action(self.preprocessor(batch))
+            action_BA = self.postprocessor({"action": action_BA})["action"]
+        return action_BA[0].cpu().numpy().astype(np.float64)
+
+
+class ExpertController:
+    """The scripted expert replayed open loop: the reference for what a perfect policy scores."""
+
+    image_size: tuple[int, int] | None = None
+
+    def __init__(self) -> None:
+        self._expert_sim = TransferCubeSim(end_effector=True)
+        self._joint_actions_TA = np.zeros((0, NUM_JOINTS))
+        self._step = 0
+
+    def reset(self, seed: int) -> None:
+        self._joint_actions_TA = record_expert_demo(seed, self._expert_sim).joint_actions_TA
+        self._step = 0
+
+    def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+        # Past the demo's end the arms hold their last pose.
+        action = self._joint_actions_TA[min(self._step, len(self._joint_actions_TA) - 1)]
+        self._step += 1
+        return action
+
+
+def evaluate_policy(
+    pretrained_dir: Path,
+    n_episodes: int,
+    seed_start: int,
+    video_dir: Path | None = None,
+    max_steps: int = EPISODE_LENGTH,
+    device: str = "cpu",
+    n_video_episodes: int = 3,
+) -> dict[str, Any]:
+    """Rolls out the policy saved in ``pretrained_dir`` on seeds ``seed_start .. seed_start+n_episodes-1``.
+
+    Returns ``success_rate``, ``num_successes``, ``n_episodes``, ``mean_return``, ``per_episode``
+    (seed, success, sum_reward, max_reward, num_steps), ``seconds_per_episode`` and ``videos``
+    (mp4 files of the first ``n_video_episodes`` episodes when ``video_dir`` is given).
+    """
+    pretrained_dir = Path(pretrained_dir)
+    if not pretrained_dir.is_dir():
+        raise ValueError(
+            f"pretrained_dir={str(pretrained_dir)!r} is not a directory; pass a `pretrained_model` dir."
+        )
+    controller = PolicyController(pretrained_dir, device=device)
+    return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes)
+
+
+def evaluate_expert(
+    n_episodes: int,
+    seed_start: int = HELD_OUT_SEED_START,
+    video_dir: Path | None = None,
+    max_steps: int = EPISODE_LENGTH,
+    n_video_episodes: int = 3,
+) -> dict[str, Any]:
+    """Same report as :func:`evaluate_policy`, for the scripted expert."""
+    return run_evaluation(ExpertController(), n_episodes, seed_start, video_dir, max_steps, n_video_episodes)
+
+
+def run_evaluation(
+    controller: Controller,
+    n_episodes: int,
+    seed_start: int,
+    video_dir: Path | None = None,
+    max_steps: int = EPISODE_LENGTH,
+    n_video_episodes: int = 3,
+) -> dict[str, Any]:
+    if n_episodes < 1:
+        raise ValueError(f"n_episodes={n_episodes} must be >= 1; pass e.g. --n_episodes=50.")
+    if max_steps < 1:
+        raise ValueError(f"max_steps={max_steps} must be >= 1; pass e.g. --max_steps={EPISODE_LENGTH}.")
+    if seed_start < 0:
+        raise ValueError(
+            f"seed_start={seed_start} must be >= 0; held-out seeds start at {HELD_OUT_SEED_START}."
+        )
+    sim = TransferCubeSim()
+    policy_camera = CameraRenderer(sim, *controller.image_size) if controller.image_size is not None else None
+    video_camera: CameraRenderer | None = None
+    if video_dir is not None and n_video_episodes > 0:
+        video_camera = policy_camera if policy_camera is not None else CameraRenderer(sim, *VIDEO_SIZE)
+        Path(video_dir).mkdir(parents=True, exist_ok=True)
+
+    results: list[EpisodeResult] = []
+    videos: list[str] = []
+    started = time.perf_counter()
+    try:
+        for episode_index in tqdm(range(n_episodes), desc="evaluation", unit="episode"):
+            seed = seed_start + episode_index
+            record = video_camera is not None and episode_index < n_video_episodes
+            result, frames = _rollout(
+                sim, controller, seed, max_steps, policy_camera, video_camera if record else None
+            )
+            results.append(result)
+            if record:
+                assert video_dir is not None and frames
+                path = Path(video_dir) / f"eval_episode_{episode_index:03d}_seed_{seed}.mp4"
+                write_video(path, np.stack(frames))
+                videos.append(str(path))
+    finally:
+        if policy_camera is not None:
+            policy_camera.close()
+        if video_camera is not None and video_camera is not policy_camera:
+            video_camera.close()
+    seconds = time.perf_counter() - started
+
+    num_successes = sum(result.success for result in results)
+    return {
+        "success_rate": num_successes / n_episodes,
+        "num_successes": num_successes,
+        "n_episodes": n_episodes,
+        "mean_return": float(np.mean([result.sum_reward for result in results])),
+        "per_episode": [asdict(result) for result in results],
+        "seed_start": seed_start,
+        "seconds_per_episode": round(seconds / n_episodes, 3),
+        "videos": videos,
+    }
+
+
+def _rollout(
+    sim: TransferCubeSim,
+    controller: Controller,
+    seed: int,
+    max_steps: int,
+    policy_camera: CameraRenderer | None,
+    video_camera: CameraRenderer | None,
+) -> tuple[EpisodeResult, list[np.ndarray]]:
+    controller.reset(seed)
+    observation = sim.reset(seed)
+    frames: list[np.ndarray] = []
+    sum_reward = max_reward = num_steps = 0
+    while num_steps < max_steps and max_reward < MAX_REWARD:
+        inputs = policy_inputs(observation)
+        if policy_camera is not None:
+            inputs[IMAGE_KEY] = policy_camera.render()
+        if video_camera is not None:
+            frames.append(inputs[IMAGE_KEY] if video_camera is policy_camera else video_camera.render())
+        action = np.asarray(controller.act(inputs), dtype=np.float64)
+        observation, reward = sim.step(action)
+        sum_reward += reward
+        max_reward = max(max_reward, reward)
+        num_steps += 1
+    if video_camera is not None:
+        frames.append(video_camera.render())  # the final state, e.g. the cube in the left gripper
+    result = EpisodeResult(
+        seed=seed,
+        success=max_reward == MAX_REWARD,
+        sum_reward=sum_reward,
+        max_reward=max_reward,
+        num_steps=num_steps,
+    )
+    return result, frames
+
+
+def policy_inputs(observation: SimObservation) -> dict[str, np.ndarray]:
+    return {
+        "observation.state": observation.qpos_14.astype(np.float32),
+        "observation.environment_state": observation.cube_pose_7[:3].astype(np.float32),
+    }
+
+
+def write_video(path: Path, frames_THWC: np.ndarray, fps: int = FPS) -> None:
+    """Encodes RGB frames as an H.264 mp4."""
+    from lerobot_mg.data.video import VideoEncoder
+
+    _, height, width, _ = frames_THWC.shape
+    encoder = VideoEncoder("eval", Path(path), fps, height, width, "h264")
+    encoder.add_frames(frames_THWC)
+    encoder.close()
