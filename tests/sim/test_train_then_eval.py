@@ -1,0 +1,47 @@
+"""The main job's entry points with tiny sizes: train on a generated ALOHA dataset, then evaluate in sim.
+
+`make train` itself (2,000 steps, 50 eval episodes) is too long for CI; this runs the same code path:
+scripts/train.py with experiment=aloha_state on the embedded-style dataset and eval.n_episodes at the end,
+then scripts/eval.py on the saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch_utils import REPO, clean_env, run_train
+
+pytestmark = pytest.mark.sim
+
+
+def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp_path: Path) -> None:
+    root, _ = state_dataset
+    run_dir = tmp_path / "run"
+    proc = run_train([
+        "experiment=aloha_state", f"dataset.root={root}", f"output_dir={run_dir}", "steps=6", "batch_size=8",
+        "log_freq=3", "eval.n_episodes=5", "logging.progress_bar=false", "logging.wandb.mode=disabled",
+        "policy.dim_model=64", "policy.dim_feedforward=128", "policy.n_encoder_layers=1",
+    ], timeout=400)
+    result = json.loads((run_dir / "eval_info.json").read_text())
+    assert result["n_episodes"] == 5 and len(result["per_episode"]) == 5
+    assert 0 <= result["num_successes"] <= 5 and result["success_rate"] == result["num_successes"] / 5
+    assert all(ep["seed"] >= 100_000 for ep in result["per_episode"])  # held-out seeds only
+    assert 0.0 <= result["mean_return"] <= 4 * 400
+    pretrained = run_dir / "checkpoints" / "last" / "pretrained_model"
+    assert f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/5)" in proc.stdout
+    assert str(pretrained) in proc.stdout
+
+    # The standalone command on the same checkpoint gives the same rollouts (same seeds, deterministic policy).
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "eval.py"), "--policy_path", str(pretrained), "--n_episodes", "2",
+           "--out", str(out)]
+    subprocess.run(cmd, env=clean_env(), cwd=REPO, check=True, timeout=300, capture_output=True)
+    standalone = json.loads(out.read_text())
+    assert [ep["sum_reward"] for ep in standalone["per_episode"]] == [
+        ep["sum_reward"] for ep in result["per_episode"][:2]
+    ]
