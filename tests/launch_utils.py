@@ -47,28 +47,30 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def launch_command(nproc: int, launcher: str) -> list[str]:
+def launch_command(nproc: int, launcher: str, script: Path | str = TRAIN_SCRIPT) -> list[str]:
+    """The command line that starts ``script`` (a Python file, or a console command) on ``nproc`` processes."""
     if launcher == "python":
         assert nproc == 1
-        return [PYTHON, str(TRAIN_SCRIPT)]
+        return [PYTHON, str(script)] if str(script).endswith(".py") else [str(script)]
     if launcher == "torchrun":
         return [PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(TRAIN_SCRIPT)]
+                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)]
     if launcher == "accelerate":
         # --multi_gpu: on a CPU-only host accelerate otherwise starts a single process (on GPU hosts
         # `--num_processes=N` alone picks the multi-process launcher).
         return [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
                 f"--main_process_port={free_port()}", "--mixed_precision=no", "--dynamo_backend=no",
-                str(TRAIN_SCRIPT)]
+                str(script)]
     raise ValueError(launcher)
 
 
 def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None, timeout: float = 300,
               env: dict[str, str] | None = None, check: bool = True, cwd: Path | None = None,
-              ) -> subprocess.CompletedProcess:
-    """Run scripts/train.py for real; returns the completed process (stdout+stderr in .stdout)."""
+              script: Path | str = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
+    """Run ``script`` (default scripts/train.py) for real; returns the completed process (stdout+stderr in
+    .stdout). ``overrides`` are its arguments."""
     launcher = launcher or ("python" if nproc == 1 else "torchrun")
-    cmd = [*launch_command(nproc, launcher), *overrides]
+    cmd = [*launch_command(nproc, launcher, script), *overrides]
     # A new session, so the watchdog can kill the launcher together with every rank it started.
     proc = subprocess.Popen(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -47,6 +47,13 @@ def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tup
                 f"world_size / dp_replicate)",
                 f"parallelism.dp_replicate=<a divisor of {world_size}>",
             )
+        if dp_replicate > 1 and world_size == dp_replicate:
+            raise config_error(
+                "parallelism.dp_shard", dp_shard,
+                f"shards over world_size / dp_replicate = {world_size} / {dp_replicate} = 1 rank: that is plain "
+                "replication (DDP), not HSDP",
+                f"launch {2 * dp_replicate}+ processes for HSDP, or parallelism=ddp for DDP",
+            )
         return dp_replicate, world_size // dp_replicate
     if dp_replicate * dp_shard != world_size:
         raise config_error(

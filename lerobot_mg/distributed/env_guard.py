@@ -46,7 +46,7 @@ def find_accelerate_overrides(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_accelerate_env(environ: Mapping[str, str] | None = None) -> None:
-    """Raise ``RuntimeError`` listing accelerate config variables, unless acknowledged.
+    """Raise ``ValueError`` listing accelerate config variables, unless acknowledged.
 
     Runs once, before the Accelerator exists (the Accelerator itself writes ``ACCELERATE_USE_FSDP``).
     """
@@ -61,7 +61,7 @@ def check_accelerate_env(environ: Mapping[str, str] | None = None) -> None:
             "describe the settings this run actually uses:\n%s", ALLOW_ENV_VAR, listing,
         )
         return
-    raise RuntimeError(
+    raise ValueError(
         "Accelerate environment variables are set, so accelerate would be configured behind lerobot_mg's config "
         "(an accelerate config file, `accelerate config`, or exported variables):\n"
         f"{listing}\n"

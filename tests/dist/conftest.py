@@ -1,0 +1,77 @@
+"""Training runs shared by the distributed tests: each named run trains once per session, on first use.
+
+The runs are built for exact comparison: no dropout, no VAE sampling (the trainer seeds each rank with
+``seed + rank``, so per-rank noise would differ from one process). Action chunks of 10 frames do run past
+episode ends, so padded positions are exercised: the L1 loss weighs every sample equally (padded positions
+count as zero error), which keeps the mean of per-rank losses equal to the one-process loss.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch_utils import TINY_RUN, last_weights, run_train
+
+DETERMINISTIC_RUN = [
+    *TINY_RUN,
+    "policy.dropout=0",
+    "policy.use_vae=false",
+    "policy.chunk_size=10",
+    "policy.n_action_steps=10",
+    "log_freq=1",
+    "optimizer.lr=1e-4",  # test_layouts bounds noise-only weights by num_updates x lr
+]
+# name -> (number of processes, overrides). Every family shares one effective batch per optimizer update:
+# 8 for single/DDP/FSDP, 16 for HSDP on 4 ranks. Accumulating runs take twice the loop steps and log every
+# second step, so their log lines fall on optimizer updates.
+LAYOUT_RUNS: dict[str, tuple[int, list[str]]] = {
+    "single_b8": (1, ["batch_size=8", "steps=6"]),
+    "ddp_b4": (2, ["batch_size=4", "steps=6"]),
+    "fsdp_b4": (2, ["batch_size=4", "steps=6", "parallelism.dp_shard=2"]),
+    "ddp_b2_accum2": (2, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2"]),
+    "fsdp_b2_accum2": (2, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2",
+                          "parallelism.dp_shard=2"]),
+    "single_b16": (1, ["batch_size=16", "steps=6"]),
+    "hsdp_b4": (4, ["batch_size=4", "steps=6", "parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
+    "hsdp_b2_accum2": (4, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2",
+                          "parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    output_dir: Path
+    stdout: str
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def ledger(self, kind: str) -> list[dict]:
+        records = [json.loads(line) for line in (self.output_dir / "ledger.jsonl").read_text().splitlines()]
+        return [r for r in records if r["kind"] == kind]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return last_weights(self.output_dir)
+
+
+@pytest.fixture(scope="session")
+def layout_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """``layout_run(name)`` -> the finished run of ``LAYOUT_RUNS[name]`` (trained on first use)."""
+    root = tmp_path_factory.mktemp("layouts")
+    finished: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in finished:
+            nproc, overrides = LAYOUT_RUNS[name]
+            output_dir = root / name
+            proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={output_dir}"], nproc=nproc, timeout=180)
+            finished[name] = Run(output_dir, proc.stdout)
+        return finished[name]
+
+    return get
