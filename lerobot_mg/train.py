@@ -233,7 +233,8 @@ def _training_step_record(progress: Progress, sampler: ResumableBatchSampler, cf
 
 def _warn_resume_differences(saved: dict, cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset,
                              continuation: str) -> None:
-    logger.info(continuation)
+    # Anything but a sample-exact continuation changes the training stream: say so loudly.
+    (logger.info if "sample-exact" in continuation.split(":")[0] else logger.warning)(continuation)
     if saved["topology"] != dims.to_dict():
         logger.warning("Resuming on a new topology: %s -> %s (model and optimizer state resharded).",
                        saved["topology"], dims.to_dict())

@@ -47,6 +47,28 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively: torchrun starts each worker in a session of its own, so killing
+    torchrun's process group would leave the ranks running."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return [grandchild for child in children for grandchild in (child, *descendants(child))]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process below it (ranks first)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    proc.wait(timeout=30)
+
+
 def launch_command(nproc: int, launcher: str, script: Path | str = TRAIN_SCRIPT) -> list[str]:
     """The command line that starts ``script`` (a Python file, or a console command) on ``nproc`` processes."""
     if launcher == "python":
@@ -71,13 +93,12 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
     .stdout). ``overrides`` are its arguments."""
     launcher = launcher or ("python" if nproc == 1 else "torchrun")
     cmd = [*launch_command(nproc, launcher, script), *overrides]
-    # A new session, so the watchdog can kill the launcher together with every rank it started.
     proc = subprocess.Popen(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         stdout, _ = proc.communicate()
         raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{(stdout or '')[-6000:]}") from None
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, None)

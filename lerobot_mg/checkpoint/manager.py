@@ -59,6 +59,13 @@ class SaveItems:
     training_step: dict[str, Any]  # step, batch arithmetic, topology, sampler position, revisions...
 
 
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer under accelerate's wrapper. Loading into a fresh optimizer makes
+    torch.distributed.checkpoint take one zero-lr step to create the state; through the wrapper under fp16
+    that step goes to the GradScaler, which refuses a step without a scaled loss."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def _barrier(dims: ParallelDims) -> None:
     if dims.is_distributed:
         dist.barrier()
@@ -83,6 +90,7 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, items: SaveItems) -> Path:
         """Write checkpoint ``step`` and move ``last`` to it once complete. Collective: every rank calls it."""
         dims, main = self.dims, self.dims.is_main_process
+        optimizer = _torch_optimizer(optimizer)
         name = L.step_dir_name(step)
         tmp = self.root / f"{L.TMP_PREFIX}{name}"
         if main:
@@ -105,11 +113,15 @@ class CheckpointManager:
             elif main:
                 items.policy.write_config(pretrained)
             dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=training_state / L.OPTIMIZER_DCP_DIR)
-        elif main:
-            items.policy.save_pretrained(pretrained, state_dict=get_model_state_dict(model))
-            tensors, groups = flatten_optimizer_state(get_optimizer_state_dict(model, optimizer))
-            save_file(tensors, str(training_state / L.OPTIMIZER_STATE))
-            write_json(training_state / L.OPTIMIZER_PARAM_GROUPS, groups)
+        else:
+            # On every rank: an optimizer that has not stepped yet (say every fp16 update so far overflowed) gets
+            # its state created here by a zero-lr step, and DDP replicas must keep identical optimizer states.
+            optimizer_state = get_optimizer_state_dict(model, optimizer)
+            if main:
+                items.policy.save_pretrained(pretrained, state_dict=get_model_state_dict(model))
+                tensors, groups = flatten_optimizer_state(optimizer_state)
+                save_file(tensors, str(training_state / L.OPTIMIZER_STATE))
+                write_json(training_state / L.OPTIMIZER_PARAM_GROUPS, groups)
 
         rng_states = self._gather_rng_states()
         if main:
@@ -128,8 +140,12 @@ class CheckpointManager:
         if main:
             write_json(training_state / L.TRAINING_STEP, items.training_step)  # the completion marker, last
             _fsync_dir(training_state)
-            if final.exists():  # re-saving a step after resuming from an older checkpoint
-                shutil.rmtree(final)
+            replaced = None
+            if final.exists():
+                # Re-saving a step after resuming from an older checkpoint; `last` may name the old copy. Renames
+                # instead of a delete keep the old copy whole until the new one is in place.
+                replaced = self.root / f"{L.TMP_PREFIX}replaced-{name}"
+                os.replace(final, replaced)
             os.replace(tmp, final)
             link_tmp = self.root / f"{L.TMP_PREFIX}{L.LAST_LINK}"
             if link_tmp.is_symlink() or link_tmp.exists():
@@ -137,6 +153,8 @@ class CheckpointManager:
             link_tmp.symlink_to(name)
             os.replace(link_tmp, self.root / L.LAST_LINK)
             _fsync_dir(self.root)
+            if replaced is not None:
+                shutil.rmtree(replaced)
             self._prune(keep=name)
         _barrier(dims)
         return final
@@ -172,6 +190,7 @@ class CheckpointManager:
         """
         pretrained, training_state = step_dir / L.PRETRAINED_MODEL_DIR, step_dir / L.TRAINING_STATE_DIR
         sharded = self.dims.is_sharded
+        optimizer = _torch_optimizer(optimizer)
         if (pretrained / L.MODEL_DCP_DIR).is_dir():
             model_sd = get_model_state_dict(model)
             dcp.load(model_sd, checkpoint_id=pretrained / L.MODEL_DCP_DIR)

@@ -1,0 +1,288 @@
+"""Merge a checkpoint's DCP weight shards into one ``model.safetensors``: offline, one process, no GPU.
+
+```bash
+lerobot-mg-convert-dcp checkpoint_dir=outputs/train/run/checkpoints/005000
+lerobot-mg-convert-dcp --checkpoint_dir=outputs/train/run/checkpoints/last --delete_dcp=true
+lerobot-mg-convert-dcp checkpoint_dir=... delete_dcp=true push_to_hub=${HF_USER}/my_policy
+python scripts/convert_dcp.py checkpoint_dir=outputs/train/run/checkpoints/005000
+```
+
+``checkpoint_dir`` is a step directory (``checkpoints/005000`` or ``checkpoints/last``) or its
+``pretrained_model/`` directory. The shards in ``pretrained_model/pytorch_model_fsdp_0/`` are keyed by the
+policy's parameter FQNs, so the merged file is exactly what ``save_pretrained`` writes for a gathered
+checkpoint of the same step (``adapter_model.safetensors`` when the directory holds a PEFT adapter).
+``delete_dcp=true`` removes the shards only after the merged file has been re-read and compared tensor by
+tensor. ``push_to_hub=<user>/<repo>`` uploads the safetensors, json and md files of ``pretrained_model/``
+(needs ``pip install 'lerobot_mg[hub]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lerobot_mg.checkpoint import layout as L
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG_JSON = "adapter_config.json"
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+HUB_FILE_SUFFIXES = (".safetensors", ".json", ".md")
+# Tensors are read from the shards in groups of about this many bytes, one progress-bar tick per group.
+_READ_GROUP_BYTES = 256 * 2**20
+# Below this size a merge takes a moment and a progress bar is noise.
+_PROGRESS_MIN_BYTES = 512 * 2**20
+
+
+# --- reading DCP offline ----------------------------------------------------------------------------------
+
+
+def read_dcp_metadata(dcp_dir: Path) -> Metadata:
+    dcp_dir = Path(dcp_dir)
+    if not (dcp_dir / ".metadata").is_file():
+        raise ValueError(f"{dcp_dir} is not a DCP checkpoint directory: it has no .metadata file.")
+    return FileSystemReader(str(dcp_dir)).read_metadata()
+
+
+def dcp_tensor_specs(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """The tensor entries of a DCP checkpoint, by flattened key (non-tensor entries such as an optimizer's
+    param_groups are left out)."""
+    return {
+        key: value for key, value in metadata.state_dict_metadata.items() if isinstance(value, TensorStorageMetadata)
+    }
+
+
+def _tensor_nbytes(spec: TensorStorageMetadata) -> int:
+    return spec.size.numel() * torch.empty((), dtype=spec.properties.dtype).element_size()
+
+
+def _key_groups(specs: dict[str, TensorStorageMetadata]) -> Iterator[list[str]]:
+    group: list[str] = []
+    group_bytes = 0
+    for key, spec in specs.items():
+        group.append(key)
+        group_bytes += _tensor_nbytes(spec)
+        if group_bytes >= _READ_GROUP_BYTES:
+            yield group
+            group, group_bytes = [], 0
+    if group:
+        yield group
+
+
+def read_dcp_tensors(dcp_dir: Path, show_progress: bool | None = None) -> dict[str, Tensor]:
+    """Every tensor of a DCP checkpoint as one full CPU tensor per key, whatever the shard layout.
+
+    Runs in a plain process: no process group, no GPU. ``show_progress=None`` shows a progress bar for
+    checkpoints of at least 512 MiB.
+    """
+    dcp_dir = Path(dcp_dir)
+    specs = dcp_tensor_specs(read_dcp_metadata(dcp_dir))
+    total_bytes = sum(_tensor_nbytes(spec) for spec in specs.values())
+    if show_progress is None:
+        show_progress = total_bytes >= _PROGRESS_MIN_BYTES
+    from tqdm.auto import tqdm
+
+    tensors: dict[str, Tensor] = {}
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"merge {dcp_dir.name}",
+              disable=not show_progress) as bar:
+        for keys in _key_groups(specs):
+            group = {key: torch.empty(specs[key].size, dtype=specs[key].properties.dtype) for key in keys}
+            with warnings.catch_warnings():  # no process group is the point here, not a mistake
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                # A partial state dict reads only these keys' chunks from the shard files.
+                dcp.load(group, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+            tensors.update(group)
+            bar.update(sum(_tensor_nbytes(specs[key]) for key in keys))
+    return tensors
+
+
+# --- converting -------------------------------------------------------------------------------------------
+
+
+def resolve_pretrained_dir(checkpoint_dir: Path) -> Path:
+    """``checkpoints/<step or last>`` or its ``pretrained_model/`` -> the ``pretrained_model/`` directory."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise ValueError(
+            f"checkpoint_dir={str(checkpoint_dir)!r} is not a directory. Fix: "
+            "checkpoint_dir=<run>/checkpoints/<step or last>"
+        )
+    if (checkpoint_dir / L.PRETRAINED_MODEL_DIR).is_dir():
+        return (checkpoint_dir / L.PRETRAINED_MODEL_DIR).resolve()
+    if checkpoint_dir.name == L.PRETRAINED_MODEL_DIR or (checkpoint_dir / L.MODEL_DCP_DIR).is_dir():
+        return checkpoint_dir.resolve()
+    raise ValueError(
+        f"checkpoint_dir={str(checkpoint_dir)!r} holds no {L.PRETRAINED_MODEL_DIR}/ directory. Fix: "
+        "checkpoint_dir=<run>/checkpoints/<step or last>"
+    )
+
+
+def merged_file_name(pretrained_dir: Path) -> str:
+    """A PEFT checkpoint's shards hold the adapter only, and merge into the adapter file."""
+    return ADAPTER_SAFETENSORS if (Path(pretrained_dir) / ADAPTER_CONFIG_JSON).is_file() else L.MODEL_SAFETENSORS
+
+
+def _verify_written(path: Path, expected: dict[str, Tensor]) -> None:
+    written = load_file(str(path))
+    if written.keys() != expected.keys():
+        raise RuntimeError(f"{path} was written with keys {sorted(written)} instead of {sorted(expected)}.")
+    for key, tensor in expected.items():
+        if written[key].dtype != tensor.dtype or not torch.equal(written[key], tensor):
+            raise RuntimeError(f"{path} does not read back equal to the DCP shards at key {key!r}.")
+
+
+def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_progress: bool | None = None) -> Path:
+    """Merge ``pretrained_model/pytorch_model_fsdp_0/`` into ``pretrained_model/model.safetensors``.
+
+    The file is written beside its final name, re-read and compared with the shards, then renamed into
+    place (replacing a gathered file of a ``safetensors_dcp`` checkpoint, which holds the same tensors).
+    ``delete_dcp`` removes the shard directory only after that. Returns the merged file.
+    """
+    pretrained = resolve_pretrained_dir(checkpoint_dir)
+    dcp_dir = pretrained / L.MODEL_DCP_DIR
+    if not dcp_dir.is_dir():
+        raise ValueError(
+            f"{pretrained} holds no {L.MODEL_DCP_DIR}/ to convert (the checkpoint was saved with "
+            "checkpoint.format=safetensors, or the shards were already merged and deleted). Its "
+            f"{merged_file_name(pretrained)} is already loadable."
+        )
+    metadata = read_dcp_metadata(dcp_dir)
+    non_tensor_keys = sorted(set(metadata.state_dict_metadata) - set(dcp_tensor_specs(metadata)))
+    if non_tensor_keys:
+        raise ValueError(
+            f"{dcp_dir} holds non-tensor entries {non_tensor_keys[:5]}: it is not a weight shard directory "
+            f"(optimizer shards live in {L.TRAINING_STATE_DIR}/{L.OPTIMIZER_DCP_DIR}/ and are not converted)."
+        )
+    tensors = read_dcp_tensors(dcp_dir, show_progress=show_progress)
+    target = pretrained / merged_file_name(pretrained)
+    partial = target.with_name(target.name + ".part")
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    _verify_written(partial, tensors)
+    os.replace(partial, target)
+    logger.info("Merged %d tensors from %s into %s", len(tensors), dcp_dir, target)
+    if delete_dcp:
+        shutil.rmtree(dcp_dir)
+        logger.info("Deleted %s", dcp_dir)
+    return target
+
+
+# --- publishing -------------------------------------------------------------------------------------------
+
+
+def hub_upload_files(pretrained_dir: Path) -> list[Path]:
+    """The files ``push_to_hub`` publishes: the top-level safetensors, json and md files (no DCP shards)."""
+    return sorted(
+        path for path in Path(pretrained_dir).iterdir()
+        if path.is_file() and path.suffix in HUB_FILE_SUFFIXES
+    )
+
+
+def require_hub(repo_id: str) -> None:
+    """Raise the user-facing error when huggingface_hub (an optional extra) is missing."""
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError as error:
+        raise ValueError(
+            f"push_to_hub={repo_id}: huggingface_hub is not installed. Fix: pip install 'lerobot_mg[hub]' "
+            "(or drop push_to_hub and upload the directory yourself)"
+        ) from error
+
+
+def push_to_hub(pretrained_dir: Path, repo_id: str) -> str:
+    """Upload the converted directory as a model repo; returns the commit URL."""
+    require_hub(repo_id)
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    files = hub_upload_files(pretrained_dir)
+    if not any(path.suffix == ".safetensors" for path in files):
+        raise ValueError(
+            f"{pretrained_dir} has no safetensors weights to publish; convert its DCP shards first."
+        )
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
+    commit = api.create_commit(
+        repo_id, operations, commit_message=f"Upload {Path(pretrained_dir).parent.name} (lerobot_mg)",
+        repo_type="model",
+    )
+    return str(commit.commit_url)
+
+
+# --- command line -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvertArgs:
+    checkpoint_dir: Path
+    delete_dcp: bool = False
+    push_to_hub: str | None = None
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def parse_args(argv: list[str]) -> ConvertArgs:
+    """``key=value`` or ``--key=value`` arguments (``--key value`` too)."""
+    values: dict[str, str] = {}
+    position = 0
+    while position < len(argv):
+        arg = argv[position].removeprefix("--")
+        if "=" not in arg:
+            if argv[position].startswith("--") and position + 1 < len(argv):
+                arg = f"{arg}={argv[position + 1]}"
+                position += 1
+            else:
+                raise ValueError(f"argument {argv[position]!r} is not key=value. Fix: checkpoint_dir=<path>")
+        key, value = arg.split("=", 1)
+        if key not in ("checkpoint_dir", "delete_dcp", "push_to_hub"):
+            raise ValueError(
+                f"{key}={value}: unknown argument; the arguments are checkpoint_dir, delete_dcp and push_to_hub."
+            )
+        values[key] = value
+        position += 1
+    if not values.get("checkpoint_dir"):
+        raise ValueError("checkpoint_dir is required. Fix: checkpoint_dir=<run>/checkpoints/<step or last>")
+    delete_dcp = values.get("delete_dcp", "false").lower()
+    if delete_dcp not in _TRUE + _FALSE:
+        raise ValueError(f"delete_dcp={values['delete_dcp']}: expected true or false. Fix: delete_dcp=true")
+    push = values.get("push_to_hub") or None
+    if push is not None and push.count("/") != 1:
+        raise ValueError(f"push_to_hub={push}: expected a repo id <user>/<repo>. Fix: push_to_hub=${{HF_USER}}/my_policy")
+    return ConvertArgs(Path(values["checkpoint_dir"]), delete_dcp in _TRUE, push)
+
+
+def run(args: ConvertArgs) -> Path:
+    """Convert (and publish); returns the merged file."""
+    if args.push_to_hub is not None:  # fail on a missing dependency before the (possibly long) merge
+        require_hub(args.push_to_hub)
+    target = convert_checkpoint(args.checkpoint_dir, delete_dcp=args.delete_dcp)
+    print(f"wrote {target}", flush=True)
+    if args.push_to_hub is not None:
+        print(f"pushed {target.parent} to {push_to_hub(target.parent, args.push_to_hub)}", flush=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        run(parse_args(argv))
+    except ValueError as error:
+        raise SystemExit(f"lerobot-mg-convert-dcp: {error}") from None
