@@ -25,7 +25,7 @@ from lerobot_mg.checkpoint.convert import read_dcp_tensors
 from lerobot_mg.checkpoint.manager import check_resumable
 from lerobot_mg.checkpoint.state import read_json
 from lerobot_mg.policies.registry import load_policy
-from tests.launch_utils import REPO, TINY_RUN, clean_env, kill_tree, launch_command, run_train
+from tests.launch_utils import REPO, TINY_RUN, clean_env, descendants, kill_tree, launch_command, run_train
 
 pytestmark = pytest.mark.dist
 
