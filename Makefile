@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup train test test-fast bench lint clean-outputs
+.PHONY: setup train train-image test test-fast bench lint clean-outputs
 
 # torch first: `pip install torch==2.13.0` takes the CPU build that lies on disk here; a plain `torch` requirement
 # on a machine without torch would pull a multi-GB CUDA build. The package's own `torch>=2.6` is then satisfied.
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)" --num_episodes 50
 	$(PY) scripts/train.py experiment=aloha_state
+
+# ACT with the top camera: a throughput check on a CPU (10 demos with 240x320 video, ~1.5 min to generate).
+train-image: setup
+	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)_images" --num_episodes 10 --image_size 240 320
+	$(PY) scripts/train.py experiment=aloha_image
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests $(PYTEST_ARGS)

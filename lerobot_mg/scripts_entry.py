@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -22,14 +23,23 @@ def train() -> None:
         from lerobot_mg.train import train as run_training
 
         logging.getLogger("lerobot_mg").setLevel(logging.INFO)
-        if composed.resume:
-            if composed.config_path is None:
-                raise ValueError(
-                    "config_path=None: resume=true needs the train_config.json of the checkpoint to resume. Fix: "
-                    "config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
-                )
-            composed = merge_resume_config(composed, list(HydraConfig.get().overrides.task))
-        run_training(to_train_config(composed), composed)
+        try:
+            if composed.resume:
+                if composed.config_path is None:
+                    raise ValueError(
+                        "config_path=None: resume=true needs the train_config.json of the checkpoint to resume. "
+                        "Fix: config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
+                    )
+                composed = merge_resume_config(composed, list(HydraConfig.get().overrides.task))
+            run_training(to_train_config(composed), composed)
+        except ValueError as error:
+            # User errors (bad config, unusable checkpoint, refused environment) are found before training
+            # starts; their message says what to change, a traceback would only bury it.
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            if os.environ.get("RANK", "0") == "0":
+                print(f"lerobot-mg-train: error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
 
     _main()
 

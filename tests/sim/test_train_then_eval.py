@@ -45,3 +45,21 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
     assert [ep["sum_reward"] for ep in standalone["per_episode"]] == [
         ep["sum_reward"] for ep in result["per_episode"][:2]
     ]
+
+
+def test_image_preset_trains_on_camera_frames(tmp_path: Path) -> None:
+    from lerobot_mg.sim import generate_dataset
+
+    root = tmp_path / "aloha_images"
+    generate_dataset(root, 1, seed_start=0, image_size=(64, 96))
+    run_dir = tmp_path / "run"
+    proc = run_train([
+        "experiment=aloha_image", f"dataset.root={root}", f"output_dir={run_dir}", "steps=2", "batch_size=2",
+        "eval.n_episodes=0", "logging.progress_bar=false", "logging.wandb.mode=disabled", "log_freq=1",
+        "scheduler.num_warmup_steps=0",
+        "policy.dim_model=32", "policy.n_heads=2", "policy.dim_feedforward=64", "policy.vision_channels=[8,16]",
+    ], timeout=300)
+    config = json.loads((run_dir / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())
+    assert config["input_features"]["observation.images.top"]["type"] == "VISUAL"
+    assert config["input_features"]["observation.images.top"]["shape"] == [3, 64, 96]
+    assert "aloha_image_act" in proc.stdout
