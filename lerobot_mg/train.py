@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +10,7 @@ import torch
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from lerobot_mg.accounting.ledger import BatchArithmetic, RunLedger, sample_digest
+from lerobot_mg.accounting.ledger import BatchArithmetic
 from lerobot_mg.accounting.revision import code_revision
 from lerobot_mg.checkpoint import layout
 from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_resumable
@@ -28,25 +26,15 @@ from lerobot_mg.distributed.accelerator import (
     shard_units,
 )
 from lerobot_mg.distributed.env_guard import check_accelerate_env
-from lerobot_mg.distributed.metrics import IntervalMetrics, MetricsLogger
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.launch.run_dir import agree_on_output_dir
-from lerobot_mg.optim import describe_schedule, make_optimizer, make_scheduler
+from lerobot_mg.optim import make_optimizer, make_scheduler
 from lerobot_mg.policies.registry import make_policy
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
 from lerobot_mg.step import Stepper
+from lerobot_mg.tracking import Progress, RunTracker
 
 logger = logging.getLogger("lerobot_mg.train")
-
-
-@dataclass
-class Progress:
-    """Loop counters; saved in training_step.json and recorded in the ledger."""
-
-    step: int = 0
-    samples_seen: int = 0
-    optimizer_updates: int = 0
-    skipped_updates: int = 0  # fp16 overflow: the scaler skipped the optimizer step
 
 
 def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any]:
@@ -97,70 +85,26 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
     else:
         set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
 
-    ledger = RunLedger(output_dir, dims.is_main_process)
-    run_facts = _run_facts(cfg, dims, dataset, arithmetic)
-    ledger.record_start(
-        kind="resume" if resume_dir else "start", loop_step=progress.step, samples_seen=progress.samples_seen,
-        optimizer_updates=progress.optimizer_updates, arithmetic=arithmetic, topology=dims.to_dict(),
-        world_size=dims.world_size, precision=cfg.accelerator.mixed_precision, code_revision=run_facts["code_revision"],
-        dataset_fingerprint=run_facts["dataset_fingerprint"], checkpoint_format=cfg.checkpoint.format,
-        resumed_from=str(resume_dir) if resume_dir else None,
-        lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
-    )
+    tracker = RunTracker(cfg, dims, arithmetic, sampler, output_dir, train_config, progress, accelerator.device)
+    run_facts = _run_facts(cfg, dataset)
+    tracker.record_start(resume_dir, run_facts, continuation)
     _print_banner(cfg, dims, arithmetic, policy, dataset, output_dir, progress, continuation)
-    metrics_log = MetricsLogger(
-        output_dir, dims.is_main_process, cfg.logging.wandb.mode, cfg.logging.wandb.project,
-        cfg.logging.wandb.entity, f"{cfg.job_name}-{output_dir.name}", train_config,
-    )
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
-    interval = IntervalMetrics(dims, accelerator.device)
     batches = _batches(dataset, sampler, cfg.num_workers)
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
-    digest_indices: list[int] = []
-    bar = _progress_bar(cfg, dims, progress.step)
-    start_time = time.perf_counter()
-    reduced: dict[str, float] = {"loss": float("nan")}
 
     while progress.step < cfg.steps:
         epoch, offset = sampler.epoch, sampler.offset
         batch = next(batches)
         sampler.advance()
-        step_logs = stepper.step(batch)
-        progress.step += 1
-        progress.samples_seen += arithmetic.samples_per_loop_step
-        interval.add(step_logs.losses, cfg.batch_size)
-        if cfg.logging.record_sample_digests:  # the global batch, known from the sampler without communication
-            digest_indices += sampler.permutation(epoch)[offset : offset + sampler.global_batch_size].tolist()
-        if step_logs.synced:
-            progress.optimizer_updates += 1
-            progress.skipped_updates += int(step_logs.skipped)
-            if digest_indices:
-                ledger.record_update(optimizer_update=progress.optimizer_updates, loop_step=progress.step,
-                                     digest=sample_digest(digest_indices), num_samples=len(digest_indices))
-            digest_indices = []
-        if progress.step % cfg.log_freq == 0 or progress.step == cfg.steps:
-            reduced = interval.reduce()  # collective
-            reduced.update(lr=stepper.lr, grad_norm=step_logs.grad_norm, samples_seen=progress.samples_seen,
-                           optimizer_updates=progress.optimizer_updates, skipped_updates=progress.skipped_updates)
-            metrics_log.log(progress.step, reduced)
-            ledger.record_interval(loop_step=progress.step, samples_seen=progress.samples_seen,
-                                   optimizer_updates=progress.optimizer_updates,
-                                   effective_batch_size=arithmetic.effective_batch_size, lr=stepper.lr,
-                                   loss=reduced["loss"], wall_time_s=time.perf_counter() - start_time,
-                                   extra={k: v for k, v in reduced.items() if k not in ("loss", "lr")})
-            if bar is not None:
-                bar.set_postfix(loss=f"{reduced['loss']:.4f}", lr=f"{stepper.lr:.2e}")
-        if bar is not None:
-            bar.update(1)
+        tracker.step_done(stepper.step(batch), epoch, offset, stepper.lr)  # collective on log steps
         if cfg.checkpoint.save_checkpoint and (progress.step % cfg.checkpoint.save_freq == 0 or progress.step == cfg.steps):
             save_items.training_step = _training_step_record(progress, sampler, cfg, dims, arithmetic, run_facts)
             checkpoints.save(progress.step, model, optimizer, save_items)  # collective
 
-    if bar is not None:
-        bar.close()
-    ledger.close()
-    metrics_log.close()
-    result = {"output_dir": str(output_dir), "progress": progress.__dict__.copy(), "final_loss": reduced["loss"]}
+    tracker.close()
+    result = {"output_dir": str(output_dir), "progress": progress.__dict__.copy(),
+              "final_loss": tracker.last_metrics["loss"]}
     accelerator.wait_for_everyone()
     if cfg.eval.n_episodes > 0 and dims.is_main_process:  # after the last collective: other ranks may exit
         result["eval"] = _evaluate(output_dir, cfg)
@@ -209,7 +153,7 @@ def _save_run_configs(output_dir: Path, train_config: dict, composed: DictConfig
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(composed, resolve=False))
 
 
-def _run_facts(cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset, arithmetic: BatchArithmetic) -> dict:
+def _run_facts(cfg: TrainConfig, dataset: LeRobotDataset) -> dict:
     return {"code_revision": code_revision(), "dataset_fingerprint": dataset.fingerprint(), "dataset_root": cfg.dataset.root}
 
 
@@ -267,14 +211,6 @@ def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithme
     if progress.step:
         lines.append(f"  resumed at loop step {progress.step}: {continuation}")
     print("\n".join(lines), flush=True)
-
-
-def _progress_bar(cfg: TrainConfig, dims: ParallelDims, start: int):
-    if not (cfg.logging.progress_bar and dims.is_main_process):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
 def _evaluate(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
