@@ -160,7 +160,7 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.registry import make_policy
 
-dp_replicate, dp_shard, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dp_replicate, dp_shard, root, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 world_size, rank, local_rank = launch_world()
 dims = ParallelDims.resolve(dp_replicate, dp_shard, world_size, rank, local_rank)
 acc_cfg = AcceleratorConfig()
@@ -185,7 +185,8 @@ for name, p in model.named_parameters():
                        for x in p.placements] if isinstance(p, DTensor) else [],
         "mesh_shape": list(p.device_mesh.mesh.shape) if isinstance(p, DTensor) else [],
     }
-print("FACTS " + json.dumps({
+# One file per rank: lines that ranks print at the same time can interleave in the shared pipe.
+open(f"{out_dir}/facts_rank{rank}.json", "w").write(json.dumps({
     "rank": rank,
     "distributed_type": str(accelerator.distributed_type),
     "is_fsdp2": accelerator.is_fsdp2,
@@ -196,16 +197,18 @@ print("FACTS " + json.dumps({
     "block_units": block_units,
     "fsdp_modules": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
     "params": params,
-}), flush=True)
+}))
 """
 
 
 def _sharding_facts(tmp_path: Path, nproc: int, dp_replicate: int, dp_shard: int) -> dict[int, dict]:
     script = tmp_path / "facts.py"
     script.write_text(FACTS_SCRIPT)
-    proc = run_train([str(dp_replicate), str(dp_shard), str(PUSHT_SLICE)], nproc=nproc, script=script,
+    out_dir = tmp_path / "facts"
+    out_dir.mkdir()
+    proc = run_train([str(dp_replicate), str(dp_shard), str(PUSHT_SLICE), str(out_dir)], nproc=nproc, script=script,
                      timeout=120, env={"PYTHONPATH": str(REPO)})
-    facts = [json.loads(line.split("FACTS ", 1)[1]) for line in proc.stdout.splitlines() if "FACTS " in line]
+    facts = [json.loads(path.read_text()) for path in sorted(out_dir.glob("facts_rank*.json"))]
     assert sorted(f["rank"] for f in facts) == list(range(nproc)), proc.stdout[-6000:]
     return {f["rank"]: f for f in facts}
 
