@@ -21,6 +21,7 @@ class StepLogs:
     synced: bool = False  # this loop step ended an accumulation window: an optimizer update was attempted
     skipped: bool = False  # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank)
     grad_norm: float = math.nan
+    lr: float = math.nan  # the learning rate this step's update used (before the scheduler stepped)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -59,6 +60,7 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
             if logs.synced and scale_before is not None:
                 logs.skipped = acc.scaler.get_scale() < scale_before  # the scaler backs off exactly on a skip
+        logs.lr = self.lr
         if self.scheduler is not None:
             self.scheduler.step()  # once per loop step, whatever the process count
         logs.losses = {"loss": float(loss.detach()), **{k: float(v) for k, v in policy_logs.items()}}

@@ -43,6 +43,7 @@ class RunTracker:
         self.interval = IntervalMetrics(dims, device)
         self.last_metrics: dict[str, float] = {"loss": math.nan}
         self._digest_indices: list[int] = []
+        self._last_grad_norm = math.nan
         self._bar = None
         if cfg.logging.progress_bar and dims.is_main_process:
             from tqdm.auto import tqdm
@@ -61,7 +62,7 @@ class RunTracker:
             lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
         )
 
-    def step_done(self, logs: StepLogs, epoch: int, offset: int, lr: float) -> None:
+    def step_done(self, logs: StepLogs, epoch: int, offset: int) -> None:
         """Account for one finished loop step that consumed the global batch at (epoch, offset). Collective on
         log steps: every rank must call it after every loop step."""
         p, cfg = self.progress, self.cfg
@@ -71,6 +72,7 @@ class RunTracker:
         if cfg.logging.record_sample_digests:  # the global batch, known from the sampler without communication
             self._digest_indices += self.sampler.permutation(epoch)[offset : offset + self.sampler.global_batch_size].tolist()
         if logs.synced:
+            self._last_grad_norm = logs.grad_norm
             p.optimizer_updates += 1
             p.skipped_updates += int(logs.skipped)
             if self._digest_indices:
@@ -79,15 +81,17 @@ class RunTracker:
                                           num_samples=len(self._digest_indices))
             self._digest_indices = []
         if p.step % cfg.log_freq == 0 or p.step == cfg.steps:
-            self._log(logs, lr)
+            self._log(logs.lr)
         if self._bar is not None:
             self._bar.update(1)
 
-    def _log(self, logs: StepLogs, lr: float) -> None:
+    def _log(self, lr: float) -> None:
         p = self.progress
         reduced = self.interval.reduce()  # collective
-        reduced.update(lr=lr, grad_norm=logs.grad_norm, samples_seen=p.samples_seen,
-                       optimizer_updates=p.optimizer_updates, skipped_updates=p.skipped_updates)
+        reduced.update(lr=lr, samples_seen=p.samples_seen, optimizer_updates=p.optimizer_updates,
+                       skipped_updates=p.skipped_updates)
+        if math.isfinite(self._last_grad_norm):  # the last update's (clipping off: not computed)
+            reduced["grad_norm"] = self._last_grad_norm
         self.metrics_log.log(p.step, reduced)
         self.ledger.record_interval(
             loop_step=p.step, samples_seen=p.samples_seen, optimizer_updates=p.optimizer_updates,

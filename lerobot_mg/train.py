@@ -17,7 +17,7 @@ from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_re
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.config.validate import validate
+from lerobot_mg.config.validate import config_error, validate
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import (
@@ -43,6 +43,11 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
     validate(cfg, world_size)
     resume_dir = layout.checkpoint_dir_from_config_path(Path(cfg.config_path)) if cfg.resume else None
     resume_info = check_resumable(resume_dir) if resume_dir is not None else None
+    if resume_info is not None and resume_info["step"] >= cfg.steps:
+        raise config_error(
+            "steps", cfg.steps, f"the checkpoint to resume is already at loop step {resume_info['step']}",
+            f"steps=<more than {resume_info['step']}>",
+        )
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
 
     set_seed(cfg.seed)  # identical initial weights on every rank (FSDP shards each rank's own copy)
@@ -79,7 +84,9 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         info = checkpoints.load(resume_dir, model, optimizer, scheduler, accelerator.scaler)  # collective
         progress = Progress(**info["progress"])
         continuation = sampler.load_state_dict(info["sampler"])
-        accelerator.step = progress.step  # keep the accumulation boundary where the original run had it
+        _apply_optimizer_config(optimizer, scheduler, cfg)
+        # Checkpoints only ever sit on accumulation boundaries (validated), so the resumed run starts a fresh
+        # window, as accelerate's step counter already does.
         if dims.is_main_process:
             _warn_resume_differences(resume_info, cfg, dims, dataset, continuation)
     else:
@@ -90,14 +97,14 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
     tracker.record_start(resume_dir, run_facts, continuation)
     _print_banner(cfg, dims, arithmetic, policy, dataset, output_dir, progress, continuation)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
-    batches = _batches(dataset, sampler, cfg.num_workers)
+    batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
 
     while progress.step < cfg.steps:
         epoch, offset = sampler.epoch, sampler.offset
         batch = next(batches)
         sampler.advance()
-        tracker.step_done(stepper.step(batch), epoch, offset, stepper.lr)  # collective on log steps
+        tracker.step_done(stepper.step(batch), epoch, offset)  # collective on log steps
         if cfg.checkpoint.save_checkpoint and (progress.step % cfg.checkpoint.save_freq == 0 or progress.step == cfg.steps):
             save_items.training_step = _training_step_record(progress, sampler, cfg, dims, arithmetic, run_facts)
             checkpoints.save(progress.step, model, optimizer, save_items)  # collective
@@ -123,7 +130,7 @@ def _action_deltas(cfg: TrainConfig, root: str) -> dict[str, list[float]]:
     return {"action": [i / fps for i in range(cfg.policy.chunk_size)]}
 
 
-def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int):
+def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int, pin_memory: bool):
     """Endless batches; one DataLoader pass per epoch, starting at the sampler's saved position.
 
     Each pass gets its own generator: a DataLoader otherwise draws its worker seed from the global RNG when
@@ -132,10 +139,26 @@ def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_worker
     while True:
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=pin_memory,
             generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
         )
         yield from loader
+
+
+def _apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+                            cfg: TrainConfig) -> None:
+    """After loading the optimizer state: hyper-parameters come from this run's config, so an override on the
+    resume command line (e.g. optimizer.lr) takes effect. Unchanged values give the same numbers as before."""
+    opt = cfg.optimizer
+    for group in optimizer.param_groups:
+        group.update(initial_lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay)
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = opt.lr
+        return
+    scheduler.base_lrs = [opt.lr] * len(optimizer.param_groups)
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
 
 
 def _derived(arithmetic: BatchArithmetic, dims: ParallelDims) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.config.schema import TrainConfig
 
@@ -19,6 +20,8 @@ _HYDRA_FLAGS = {
     "config-path", "config-name", "config-dir", "info", "experimental-rerun",
 }
 _DOTTED_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
+# The guide's flat spellings of keys that live in a config group here.
+_ALIASES = {"checkpoint_format": "checkpoint.format", "save_freq": "checkpoint.save_freq"}
 
 # Keys added to train_config.json for readers (the ledger's numbers); not part of the schema.
 DERIVED_KEY = "run_arithmetic"
@@ -30,6 +33,7 @@ def normalize_argv(argv: list[str]) -> list[str]:
     for arg in argv:
         if arg.startswith("--") and "=" in arg:
             key, value = arg[2:].split("=", 1)
+            key = _ALIASES.get(key, key)
             if key not in _HYDRA_FLAGS and _DOTTED_KEY.match(key):
                 out.append(f"{key}={value}")
                 continue
@@ -50,7 +54,16 @@ def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def load_train_config_json(path: Path) -> DictConfig:
-    data = json.loads(Path(path).read_text())
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"config_path={str(path)!r}: no such file. Fix: "
+            "config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"config_path={str(path)!r} is not valid JSON ({error}); was the save interrupted?") from error
     data.pop(DERIVED_KEY, None)
     return OmegaConf.create(data)
 
@@ -73,7 +86,13 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     ``parallelism.dp_shard``, more ``steps``, ...); everything else is what the original run used.
     """
     saved = load_train_config_json(Path(composed.config_path))
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    except OmegaConfBaseException as error:
+        raise ValueError(
+            f"config_path={composed.config_path!r} does not match this version's config schema ({error}). Fix: "
+            "resume with the lerobot_mg version that wrote it, or start a new run"
+        ) from error
     for key in override_keys(overrides):
         if key == "experiment":
             raise ValueError(

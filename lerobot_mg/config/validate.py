@@ -169,6 +169,23 @@ def _validate_checkpoint(cfg: TrainConfig, sharded: bool) -> None:
         )
     if ckpt.save_freq < 1:
         raise config_error("checkpoint.save_freq", ckpt.save_freq, "must be >= 1", "checkpoint.save_freq=1000")
+    # Gradients accumulated inside a window live only in .grad and are not checkpointed: every save, and the
+    # end of the run, must fall on an accumulation boundary or a resume would silently drop micro-batches.
+    accum = cfg.accelerator.gradient_accumulation.steps
+    if cfg.steps % accum:
+        raise config_error(
+            "steps", cfg.steps,
+            f"is not a multiple of accelerator.gradient_accumulation.steps={accum}: the last "
+            f"{cfg.steps % accum} micro-batch(es) would never reach an optimizer update",
+            f"steps={-(-cfg.steps // accum) * accum}",
+        )
+    if ckpt.save_checkpoint and ckpt.save_freq < cfg.steps and ckpt.save_freq % accum:
+        raise config_error(
+            "checkpoint.save_freq", ckpt.save_freq,
+            f"is not a multiple of accelerator.gradient_accumulation.steps={accum}: a checkpoint inside an "
+            "accumulation window cannot resume exactly (accumulated gradients are not saved)",
+            f"checkpoint.save_freq={-(-ckpt.save_freq // accum) * accum}",
+        )
     if ckpt.keep_last is not None and ckpt.keep_last < 1:
         raise config_error(
             "checkpoint.keep_last", ckpt.keep_last, "must be >= 1 (or null to keep all)", "checkpoint.keep_last=null"
@@ -188,6 +205,9 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json)", fix)
     if cfg.optimizer.type != "adamw":
         raise config_error("optimizer.type", cfg.optimizer.type, "only adamw is available", "optimizer=adamw")
+    betas = cfg.optimizer.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise config_error("optimizer.betas", list(betas), "must be two values in [0, 1)", "optimizer.betas=[0.9,0.999]")
     if cfg.optimizer.lr <= 0:
         raise config_error("optimizer.lr", cfg.optimizer.lr, "must be > 0", "optimizer.lr=1e-4")
     if cfg.optimizer.grad_clip_norm < 0:
@@ -212,6 +232,14 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
     if cfg.eval.n_episodes < 0:
         raise config_error("eval.n_episodes", cfg.eval.n_episodes, "must be >= 0", "eval.n_episodes=0")
+    if cfg.eval.n_video_episodes < 0:
+        raise config_error("eval.n_video_episodes", cfg.eval.n_video_episodes, "must be >= 0", "eval.n_video_episodes=0")
+    if cfg.eval.n_episodes > 0 and (not cfg.checkpoint.save_checkpoint or cfg.checkpoint.format == "dcp"):
+        raise config_error(
+            "eval.n_episodes", cfg.eval.n_episodes,
+            "evaluation loads the last checkpoint's model.safetensors, which this run does not write",
+            "checkpoint.save_checkpoint=true with checkpoint.format=safetensors or safetensors_dcp, or eval.n_episodes=0",
+        )
     if cfg.eval.n_episodes > 0 and cfg.dataset.name != "embedded":
         raise config_error(
             "eval.n_episodes", cfg.eval.n_episodes,

@@ -61,7 +61,7 @@ def select_wrap_units(
 
 
 def _size_based_units(model: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
-    """Every non-container submodule holding more than ``min_num_params`` parameters not already claimed by
+    """Every non-container submodule holding at least ``min_num_params`` parameters not already claimed by
     a smaller chosen unit below it (as torch's size-based auto-wrap policy counts them)."""
     chosen: list[tuple[str, nn.Module]] = []
     claimed: set[int] = set()
@@ -70,7 +70,7 @@ def _size_based_units(model: nn.Module, min_num_params: int) -> list[tuple[str, 
         if isinstance(module, _CONTAINERS):
             continue
         unclaimed = sum(p.numel() for p in module.parameters() if id(p) not in claimed)
-        if unclaimed > min_num_params:
+        if unclaimed >= min_num_params:
             chosen.append((name, module))
             claimed.update(id(p) for p in module.parameters())
     return chosen

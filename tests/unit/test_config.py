@@ -516,6 +516,35 @@ ERRORS: list[tuple[str, list[str], int, str, str]] = [
         "config_path='/nonexistent/train_config.json': does not exist",
         "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
     ),
+    # accumulation boundaries, optimizer shape, evaluation needs
+    (
+        "steps_not_a_multiple_of_accumulation",
+        [*VALID, "steps=10", "accelerator.gradient_accumulation.steps=4"],
+        1,
+        "steps=10: is not a multiple of accelerator.gradient_accumulation.steps=4",
+        "steps=12",
+    ),
+    (
+        "save_inside_an_accumulation_window",
+        [*VALID, "steps=12", "checkpoint.save_freq=6", "accelerator.gradient_accumulation.steps=4"],
+        1,
+        "checkpoint.save_freq=6: is not a multiple of accelerator.gradient_accumulation.steps=4",
+        "checkpoint.save_freq=8",
+    ),
+    (
+        "betas_not_two_values",
+        [*VALID, "optimizer.betas=[0.9]"],
+        1,
+        "optimizer.betas=[0.9]: must be two values in [0, 1)",
+        "optimizer.betas=[0.9,0.999]",
+    ),
+    (
+        "eval_without_a_gathered_checkpoint",
+        [*VALID, "dataset.name=embedded", "eval.n_episodes=5", "checkpoint.save_checkpoint=false"],
+        1,
+        "eval.n_episodes=5: evaluation loads the last checkpoint's model.safetensors, which this run does not write",
+        "checkpoint.save_checkpoint=true with checkpoint.format=safetensors or safetensors_dcp, or eval.n_episodes=0",
+    ),
     (
         "config_path_without_resume",
         [*VALID, f"config_path={PUSHT_SLICE / 'meta' / 'info.json'}"],
@@ -605,3 +634,10 @@ def test_policy_without_param_dtype_warns_that_compute_stays_float32(
     with caplog.at_level(logging.WARNING, logger="lerobot_mg.config.validate"):
         validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16"]), 2)
     assert caplog.text == ""
+
+
+def test_the_guides_flat_checkpoint_flags_map_to_the_checkpoint_group() -> None:
+    assert normalize_argv(["--checkpoint_format=dcp", "--save_freq=500"]) == [
+        "checkpoint.format=dcp",
+        "checkpoint.save_freq=500",
+    ]

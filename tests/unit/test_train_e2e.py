@@ -83,3 +83,29 @@ def test_runs_without_output_dir_get_distinct_directories_and_wandb_offline_work
     offline = next(p for p in runs if "_other_" not in p.name)
     assert list((offline / "wandb").glob("offline-run-*")), "wandb offline run directory missing"
     assert str(offline) in first.stdout and "_other_" in second.stdout
+
+
+def test_resume_errors_are_one_clear_line_before_any_training(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_train([*TINY_RUN, "steps=4", f"output_dir={run_dir}"])
+    config = run_dir / "checkpoints" / "last" / "pretrained_model" / "train_config.json"
+    ledger_before = (run_dir / "ledger.jsonl").read_text()
+
+    finished = run_train(["resume=true", f"config_path={config}"], check=False, env={"HYDRA_FULL_ERROR": "0"})
+    assert finished.returncode == 2
+    assert "lerobot-mg-train: error: steps=4: the checkpoint to resume is already at loop step 4" in finished.stdout
+    assert "Traceback" not in finished.stdout
+
+    missing = run_train(["resume=true", f"config_path={tmp_path / 'nope' / 'train_config.json'}"], check=False,
+                        env={"HYDRA_FULL_ERROR": "0"})
+    assert missing.returncode == 2 and "no such file" in missing.stdout and "Traceback" not in missing.stdout
+    assert (run_dir / "ledger.jsonl").read_text() == ledger_before  # nothing was recorded, nothing lost
+
+
+def test_an_lr_override_on_resume_takes_effect(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_train([*TINY_RUN, "steps=4", "log_freq=1", f"output_dir={run_dir}"])
+    config = run_dir / "checkpoints" / "last" / "pretrained_model" / "train_config.json"
+    run_train(["resume=true", f"config_path={config}", "steps=6", "optimizer.lr=3e-4", "log_freq=1"])
+    lrs = [m["lr"] for m in _metrics(run_dir)]
+    assert lrs[:4] == [1e-4] * 4 and lrs[4:] == [3e-4, 3e-4]
