@@ -22,7 +22,6 @@ PRETRAINED_MODEL_DIR = "pretrained_model"
 TRAINING_STATE_DIR = "training_state"
 TMP_PREFIX = ".tmp-"
 
-CONFIG_JSON = "config.json"
 TRAIN_CONFIG_JSON = "train_config.json"
 MODEL_SAFETENSORS = "model.safetensors"
 MODEL_DCP_DIR = "pytorch_model_fsdp_0"

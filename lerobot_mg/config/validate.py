@@ -6,6 +6,7 @@ Each failure is a ``ValueError`` naming the dotted key, the bad value and the ov
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from lerobot_mg.config.schema import TrainConfig
@@ -148,7 +149,7 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
                 "float16 needs the loss scaler, which only accelerator.mixed_precision=fp16 builds",
                 "accelerator.mixed_precision=fp16",
             )
-    if policy.is_set() and policy.param_dtype is None:
+    if policy.is_set() and policy.param_dtype is None and os.environ.get("RANK", "0") == "0":
         logger.warning(
             "accelerator.fsdp.mixed_precision_policy is set without param_dtype: the policy is built from "
             "its fields alone, so parameters are not cast for compute (float32 compute)."
