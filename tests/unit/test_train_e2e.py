@@ -109,3 +109,15 @@ def test_an_lr_override_on_resume_takes_effect(tmp_path: Path) -> None:
     run_train(["resume=true", f"config_path={config}", "steps=6", "optimizer.lr=3e-4", "log_freq=1"])
     lrs = [m["lr"] for m in _metrics(run_dir)]
     assert lrs[:4] == [1e-4] * 4 and lrs[4:] == [3e-4, 3e-4]
+
+
+def test_dataloader_workers_do_not_change_the_run(tmp_path: Path) -> None:
+    from tests.launch_utils import last_weights
+
+    runs = {}
+    for workers in (0, 2):
+        run_dir = tmp_path / f"workers{workers}"
+        run_train([*TINY_RUN, "steps=6", f"num_workers={workers}", f"output_dir={run_dir}"])
+        runs[workers] = last_weights(run_dir)
+    assert runs[0].keys() == runs[2].keys()
+    assert all((runs[0][k] == runs[2][k]).all() for k in runs[0])
