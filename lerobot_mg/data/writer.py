@@ -100,19 +100,23 @@ def _encode_png(image_HWC: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _summary_stats(values_NF: np.ndarray, shape: tuple[int, ...], count: int) -> dict[str, np.ndarray]:
+    """min/max/mean/std and the quantiles over the first axis, reshaped to ``shape``, plus ``count``."""
+    stats = {
+        "min": values_NF.min(axis=0),
+        "max": values_NF.max(axis=0),
+        "mean": values_NF.mean(axis=0),
+        "std": values_NF.std(axis=0),
+    }
+    stats.update({name: np.quantile(values_NF, q, axis=0) for name, q in _QUANTILES.items()})
+    stats = {name: stat.reshape(shape) for name, stat in stats.items()}
+    stats["count"] = np.array([count], dtype=np.int64)
+    return stats
+
+
 def _numeric_stats(values_N: np.ndarray) -> dict[str, np.ndarray]:
     values = values_N.astype(np.float64).reshape(len(values_N), -1)
-    shape = values_N.shape[1:]
-    stats = {
-        "min": values.min(axis=0),
-        "max": values.max(axis=0),
-        "mean": values.mean(axis=0),
-        "std": values.std(axis=0),
-    }
-    stats.update({name: np.quantile(values, q, axis=0) for name, q in _QUANTILES.items()})
-    stats = {name: stat.reshape(shape) for name, stat in stats.items()}
-    stats["count"] = np.array([len(values_N)], dtype=np.int64)
-    return stats
+    return _summary_stats(values, values_N.shape[1:], len(values_N))
 
 
 def _visual_stats(frames_NHWC: np.ndarray) -> dict[str, np.ndarray]:
@@ -124,16 +128,7 @@ def _visual_stats(frames_NHWC: np.ndarray) -> dict[str, np.ndarray]:
     stride = max(1, -(-max(height, width) // _MAX_STATS_SIDE))
     sampled = frames_NHWC[frame_ids, ::stride, ::stride].astype(np.float64) / 255.0
     pixels_PC = sampled.reshape(-1, 3)
-    stats = {
-        "min": pixels_PC.min(axis=0),
-        "max": pixels_PC.max(axis=0),
-        "mean": pixels_PC.mean(axis=0),
-        "std": pixels_PC.std(axis=0),
-    }
-    stats.update({name: np.quantile(pixels_PC, q, axis=0) for name, q in _QUANTILES.items()})
-    stats = {name: stat.reshape(3, 1, 1) for name, stat in stats.items()}
-    stats["count"] = np.array([len(frame_ids)], dtype=np.int64)
-    return stats
+    return _summary_stats(pixels_PC, (3, 1, 1), len(frame_ids))
 
 
 def aggregate_stats(per_episode: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
