@@ -69,7 +69,8 @@ class RunTracker:
         p.step += 1
         p.samples_seen += self.arithmetic.samples_per_loop_step
         self.interval.add(logs.losses, cfg.batch_size)
-        if cfg.logging.record_sample_digests:  # the global batch, known from the sampler without communication
+        # The global batch, known from the sampler without communication; only the main process records it.
+        if cfg.logging.record_sample_digests and self.dims.is_main_process:
             self._digest_indices += self.sampler.permutation(epoch)[offset : offset + self.sampler.global_batch_size].tolist()
         if logs.synced:
             self._last_grad_norm = logs.grad_norm

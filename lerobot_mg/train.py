@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims)
 
+    run_facts = _run_facts(cfg, dataset)  # git + dataset hashing: once per start
     progress, continuation = Progress(), None
     if resume_dir is not None:
         info = checkpoints.load(resume_dir, model, optimizer, scheduler, accelerator.scaler)  # collective
@@ -88,12 +89,11 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         # Checkpoints only ever sit on accumulation boundaries (validated), so the resumed run starts a fresh
         # window, as accelerate's step counter already does.
         if dims.is_main_process:
-            _warn_resume_differences(resume_info, cfg, dims, dataset, continuation)
+            _warn_resume_differences(resume_info, cfg, dims, run_facts, continuation)
     else:
         set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
 
     tracker = RunTracker(cfg, dims, arithmetic, sampler, output_dir, train_config, progress, accelerator.device)
-    run_facts = _run_facts(cfg, dataset)
     tracker.record_start(resume_dir, run_facts, continuation)
     _print_banner(cfg, dims, arithmetic, policy, dataset, output_dir, progress, continuation)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
@@ -198,19 +198,19 @@ def _training_step_record(progress: Progress, sampler: ResumableBatchSampler, cf
     }
 
 
-def _warn_resume_differences(saved: dict, cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset,
+def _warn_resume_differences(saved: dict, cfg: TrainConfig, dims: ParallelDims, run_facts: dict,
                              continuation: str) -> None:
     # Anything but a sample-exact continuation changes the training stream: say so loudly.
     (logger.info if "sample-exact" in continuation.split(":")[0] else logger.warning)(continuation)
     if saved["topology"] != dims.to_dict():
         logger.warning("Resuming on a new topology: %s -> %s (model and optimizer state resharded).",
                        saved["topology"], dims.to_dict())
-    if saved.get("dataset_fingerprint") != dataset.fingerprint():
+    if saved.get("dataset_fingerprint") != run_facts["dataset_fingerprint"]:
         logger.warning("The dataset differs from the checkpoint's (fingerprint %s -> %s): the sample stream is not "
-                       "the original one.", saved.get("dataset_fingerprint"), dataset.fingerprint())
-    now = code_revision()
-    if saved.get("code_revision") != now:
-        logger.warning("The code revision changed since the checkpoint: %s -> %s.", saved.get("code_revision"), now)
+                       "the original one.", saved.get("dataset_fingerprint"), run_facts["dataset_fingerprint"])
+    if saved.get("code_revision") != run_facts["code_revision"]:
+        logger.warning("The code revision changed since the checkpoint: %s -> %s.", saved.get("code_revision"),
+                       run_facts["code_revision"])
     if saved["gradient_accumulation_steps"] != cfg.accelerator.gradient_accumulation.steps:
         logger.warning("gradient accumulation changed at resume: %s -> %s steps per optimizer update.",
                        saved["gradient_accumulation_steps"], cfg.accelerator.gradient_accumulation.steps)
