@@ -25,11 +25,6 @@ def train() -> None:
         logging.getLogger("lerobot_mg").setLevel(logging.INFO)
         try:
             if composed.resume:
-                if composed.config_path is None:
-                    raise ValueError(
-                        "config_path=None: resume=true needs the train_config.json of the checkpoint to resume. "
-                        "Fix: config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
-                    )
                 composed = merge_resume_config(composed, list(HydraConfig.get().overrides.task))
             run_training(to_train_config(composed), composed)
         except ValueError as error:

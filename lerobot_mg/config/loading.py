@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.validate import check_resume_request
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -55,11 +56,6 @@ def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def load_train_config_json(path: Path) -> DictConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(
-            f"config_path={str(path)!r}: no such file. Fix: "
-            "config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
-        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -85,6 +81,7 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     Only keys the user overrode on this command line are taken from the freshly composed config (a new
     ``parallelism.dp_shard``, more ``steps``, ...); everything else is what the original run used.
     """
+    check_resume_request(bool(composed.resume), composed.config_path)
     saved = load_train_config_json(Path(composed.config_path))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)

@@ -249,22 +249,25 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
 
 
-def _validate_resume_and_output(cfg: TrainConfig) -> None:
-    if cfg.resume:
-        if cfg.config_path is None:
+def check_resume_request(resume: bool, config_path: str | None) -> None:
+    """The resume inputs alone; also called before the saved config is read (config.loading)."""
+    if resume:
+        if config_path is None:
             raise config_error(
                 "config_path", None, "resume=true needs the train_config.json of the checkpoint to resume",
                 "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
             )
-        if not Path(cfg.config_path).is_file():
+        if not Path(config_path).is_file():
             raise config_error(
-                "config_path", cfg.config_path, "does not exist",
+                "config_path", config_path, "does not exist",
                 "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
             )
-    elif cfg.config_path is not None:
-        raise config_error(
-            "config_path", cfg.config_path, "is only read when resuming", "resume=true, or remove config_path"
-        )
+    elif config_path is not None:
+        raise config_error("config_path", config_path, "is only read when resuming", "resume=true, or remove config_path")
+
+
+def _validate_resume_and_output(cfg: TrainConfig) -> None:
+    check_resume_request(cfg.resume, cfg.config_path)
     if not cfg.resume and cfg.output_dir is not None and Path(cfg.output_dir).exists():
         if any(Path(cfg.output_dir).iterdir()):
             raise config_error(

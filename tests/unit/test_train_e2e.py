@@ -98,7 +98,7 @@ def test_resume_errors_are_one_clear_line_before_any_training(tmp_path: Path) ->
 
     missing = run_train(["resume=true", f"config_path={tmp_path / 'nope' / 'train_config.json'}"], check=False,
                         env={"HYDRA_FULL_ERROR": "0"})
-    assert missing.returncode == 2 and "no such file" in missing.stdout and "Traceback" not in missing.stdout
+    assert missing.returncode == 2 and "does not exist" in missing.stdout and "Traceback" not in missing.stdout
     assert (run_dir / "ledger.jsonl").read_text() == ledger_before  # nothing was recorded, nothing lost
 
 
