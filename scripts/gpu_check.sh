@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-DATA=${DATA:-../shared/datasets/pusht_image_slice}
+DATA=${DATA:-tests/fixtures/pusht_image_slice}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=4 WANDB_MODE=disabled

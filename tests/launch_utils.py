@@ -16,15 +16,14 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-PUSHT_SLICE = SHARED / "datasets" / "pusht_image_slice"
+# A real third-party LeRobot v3.0 dataset shipped with the tests (licence and provenance in its README).
+PUSHT_SLICE = REPO / "tests" / "fixtures" / "pusht_image_slice"
 TRAIN_SCRIPT = REPO / "scripts" / "train.py"
 PYTHON = sys.executable
 
-# A small, fast state-only ACT on the real PushT slice (420 frames).
+# A small, fast state-only ACT on the real PushT slice (420 frames; the preset's default dataset).
 TINY_RUN = [
     "experiment=pusht_debug",
-    f"dataset.root={PUSHT_SLICE}",
     "logging.progress_bar=false",
     "logging.wandb.mode=disabled",
 ]

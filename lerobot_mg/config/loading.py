@@ -10,10 +10,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
 from lerobot_mg.config.validate import check_resume_request
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = REPO_ROOT / "conf"
 
 # Hydra's own long options; everything else spelled `--a.b=c` is a config override.
 _HYDRA_FLAGS = {

@@ -8,10 +8,14 @@ wrong type fails at compose time. Semantic checks (ranges, combinations, the wor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from lerobot_mg.policies.act.configuration_act import ACTConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -150,5 +154,7 @@ class TrainConfig:
 
 
 def register_configs() -> None:
+    # ${repo_root:} in conf/: the checkout this package runs from (conf/ and the test fixtures live there).
+    OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)

@@ -20,8 +20,9 @@ from lerobot_mg.policies import (
     load_policy,
     make_policy,
 )
+from tests.launch_utils import PUSHT_SLICE
 
-PUSHT_META = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "pusht_image_slice" / "meta"
+PUSHT_META = PUSHT_SLICE / "meta"
 
 STATE_DIM, ENV_DIM, ACTION_DIM, CHUNK, BATCH = 6, 3, 4, 5, 3
 STATE_ONLY_INPUTS = {

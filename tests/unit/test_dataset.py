@@ -16,8 +16,8 @@ from lerobot_mg.data.testing import (
     tiny_features,
     write_tiny_dataset,
 )
+from tests.launch_utils import PUSHT_SLICE
 
-PUSHT_SLICE = Path(__file__).resolve().parents[2] / ".." / "shared" / "datasets" / "pusht_image_slice"
 NUMERIC_KEYS = ("observation.state", "action", "observation.environment_state")
 # h264 (libx264, CRF 20, yuv420p) on the smooth test gradients measured a mean absolute error of
 # ~1.9 and a max of 8 levels out of 255; neighbouring frames differ by >= 10 levels on average.
@@ -255,7 +255,7 @@ def test_reader_rejects_unfinished_dataset(tmp_path: Path) -> None:
 
 
 def test_pusht_slice_from_lerobot() -> None:
-    assert PUSHT_SLICE.is_dir(), f"the shared datasets folder is missing: {PUSHT_SLICE}"
+    assert PUSHT_SLICE.is_dir(), f"the PushT fixture is missing: {PUSHT_SLICE}"
     dataset = LeRobotDataset(PUSHT_SLICE, delta_timestamps={"action": [k / 10 for k in range(5)]})
     assert len(dataset) == 420 and dataset.num_episodes == 3
     assert dataset.camera_keys == ["observation.image"]

@@ -15,8 +15,9 @@ from lerobot_mg.processors import (
     UnnormalizerStep,
     make_processors,
 )
+from tests.launch_utils import PUSHT_SLICE
 
-PUSHT_META = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "pusht_image_slice" / "meta"
+PUSHT_META = PUSHT_SLICE / "meta"
 
 INPUTS = {
     "observation.state": {"type": "STATE", "shape": [2]},
