@@ -27,6 +27,9 @@ DETERMINISTIC_RUN = [
     "log_freq=1",
     "optimizer.lr=1e-4",  # test_layouts bounds noise-only weights by num_updates x lr
 ]
+# The one-process references run on another SIMD kernel than the distributed runs (on a CPU with AVX-512; on an
+# AVX2 CPU it is the same one): their comparison must hold on any CPU, not only the one that wrote it.
+OTHER_KERNEL = {"ATEN_CPU_CAPABILITY": "avx2"}
 # name -> (number of processes, overrides). Every family shares one effective batch per optimizer update:
 # 8 for single/DDP/FSDP, 16 for HSDP on 4 ranks. Accumulating runs take twice the loop steps and log every
 # second step, so their log lines fall on optimizer updates.
@@ -70,7 +73,8 @@ def layout_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]
         if name not in finished:
             nproc, overrides = LAYOUT_RUNS[name]
             output_dir = root / name
-            proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={output_dir}"], nproc=nproc, timeout=180)
+            proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={output_dir}"], nproc=nproc, timeout=180,
+                             env=OTHER_KERNEL if name.startswith("single") else None)
             finished[name] = Run(output_dir, proc.stdout)
         return finished[name]
 

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from unittest.mock import patch
 
 import pytest
@@ -49,7 +49,12 @@ from lerobot_mg.distributed.accelerator import (
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.step import Stepper
-from tests.launch_utils import PYTHON, REPO, TINY_RUN, clean_env, free_port, last_weights, run_train
+from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
+from tests.launch_utils import PYTHON, REPO, clean_env, free_port, last_weights, run_train
+from tests.tolerances import assert_same_series, assert_same_weights
+
+if TYPE_CHECKING:
+    from tests.dist.conftest import Run
 
 WIDTH = 8
 NUM_SYNCED_STEPS = 3
@@ -399,38 +404,36 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.dist
-def test_size_based_wrap_with_reshard_and_cpu_offload_trains_like_ddp(tmp_path: Path) -> None:
+def test_size_based_wrap_with_reshard_and_cpu_offload_trains_like_ddp(
+    layout_run: Callable[[str], Run], tmp_path: Path
+) -> None:
     """min_num_params on the real debug ACT: at 40000 each encoder layer (33472) stays below while their
-    ModuleLists (66944) pass, the case where accelerate's size policy crashes; the units become the two
-    ACTEncoders and the decoder layer (50240). With reshard_after_forward=false and cpu_offload=true on a host
-    without a GPU: the same losses, gradient norms and weights as DDP on the same data and seeds."""
-    common = [*TINY_RUN, "steps=6", "log_freq=3"]
+    ModuleList (66944) passes, the case where accelerate's size policy crashes; the units become the ACTEncoder
+    and the decoder layer (50240). With reshard_after_forward=false and cpu_offload=true on a host without a
+    GPU: the same losses, gradient norms and weights as DDP-2 on the same data and seeds (the layout tests' run)."""
+    nproc, ddp_overrides = LAYOUT_RUNS["ddp_b4"]
     fsdp = run_train(
         [
-            *common,
+            *DETERMINISTIC_RUN,
+            *ddp_overrides,
             "parallelism.dp_shard=2",
             "accelerator.fsdp.min_num_params=40000",
             "accelerator.fsdp.reshard_after_forward=false",
             "accelerator.fsdp.cpu_offload=true",
             f"output_dir={tmp_path / 'fsdp'}",
         ],
-        nproc=2,
+        nproc=nproc,
         timeout=180,
     )
-    run_train([*common, f"output_dir={tmp_path / 'ddp'}"], nproc=2, timeout=180)
+    ddp = layout_run("ddp_b4")
 
-    assert (
-        "FSDP wrap units (accelerator.fsdp.min_num_params=40000): 3 units, e.g. model.encoder" in fsdp.stdout
-    )
+    assert "FSDP wrap units (accelerator.fsdp.min_num_params=40000): 2 units, e.g. model.encoder" in fsdp.stdout
     assert "topology: FSDP2: 2 shards" in fsdp.stdout
-    fsdp_metrics, ddp_metrics = _metrics(tmp_path / "fsdp"), _metrics(tmp_path / "ddp")
-    assert [m["step"] for m in fsdp_metrics] == [m["step"] for m in ddp_metrics] == [3, 6]
-    for sharded, replicated in zip(fsdp_metrics, ddp_metrics, strict=True):
-        assert sharded["loss"] == pytest.approx(replicated["loss"], rel=1e-5)
-        assert sharded["grad_norm"] == pytest.approx(replicated["grad_norm"], rel=1e-5)
-    fsdp_weights, ddp_weights = last_weights(tmp_path / "fsdp"), last_weights(tmp_path / "ddp")
-    assert fsdp_weights.keys() == ddp_weights.keys()
-    assert max((fsdp_weights[k] - ddp_weights[k]).abs().max().item() for k in ddp_weights) < 1e-4
+    fsdp_metrics, ddp_metrics = _metrics(tmp_path / "fsdp"), ddp.metrics()
+    assert [m["step"] for m in fsdp_metrics] == [m["step"] for m in ddp_metrics] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "grad_norm"):  # bounds: tests/tolerances.py
+        assert_same_series([m[key] for m in fsdp_metrics], [m[key] for m in ddp_metrics], list(range(6)), key)
+    assert_same_weights(last_weights(tmp_path / "fsdp"), ddp.weights(), num_updates=6, lr=1e-4)
 
 
 @pytest.mark.dist

@@ -20,6 +20,7 @@ from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
 from lerobot_mg.checkpoint.state import read_json
 from tests.dist.test_checkpoints import REFERENCE_RUNS, copy_run, reference_run
 from tests.launch_utils import run_train
+from tests.tolerances import assert_same_series
 
 pytestmark = pytest.mark.dist
 
@@ -172,12 +173,14 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
 
     assert update_digests(chain, 0) == update_digests(reference, 0)
     # Not bit-exact across topologies (another split of the global batch sums in another order), but the same
-    # training: measured loss differences ~1e-7 relative, weight drift ~3e-4 x the weights' movement.
+    # training (bounds: tests/tolerances.py): measured loss differences ~1e-7 relative, weight drift ~3e-4 x the
+    # weights' movement.
     chain_losses = {r.loop_step: r.loss for r in read_ledger(chain).intervals}
     reference_losses = {r.loop_step: r.loss for r in read_ledger(reference).intervals}
     assert chain_losses.keys() == reference_losses.keys() == {2, 4, 6, 8, 10}
-    for step, loss in reference_losses.items():
-        assert chain_losses[step] == pytest.approx(loss, rel=1e-4), step
+    steps = sorted(reference_losses)  # each interval's loss averages loop steps step-1 and step
+    assert_same_series([chain_losses[s] for s in steps], [reference_losses[s] for s in steps],
+                       [s - 1 for s in steps], "interval loss")
     start = load_file(str(L.checkpoints_root(reference) / "000004/pretrained_model/model.safetensors"))
     expected = load_file(str(L.checkpoints_root(reference) / "000010/pretrained_model/model.safetensors"))
     actual = load_file(str(ckpt / "000010/pretrained_model/model.safetensors"))

@@ -129,7 +129,7 @@ def test_l1_counts_padded_positions_as_zero_error_so_samples_weigh_equally() -> 
         per_sample = [policy({k: v[i : i + 1] for k, v in batch.items()})[1]["l1_loss"] for i in range(BATCH)]
     error = (prediction - batch["action"]).abs()
     error[:, CHUNK - 2 :] = 0.0
-    assert logs["l1_loss"] == pytest.approx(error.mean().item(), rel=1e-6)
+    assert logs["l1_loss"] == pytest.approx(error.mean().item(), rel=1e-5)  # the same 60 fp32 terms, maybe summed in another order
     assert logs["l1_loss"] == pytest.approx(sum(per_sample) / BATCH, rel=1e-5)
 
 

@@ -1,0 +1,81 @@
+"""How close two runs that train the same model on the same global batches must be, derived from what the
+comparison can guarantee on any CPU, not from what one CPU happened to print.
+
+Such runs (one process vs DDP / FSDP2 / HSDP, accumulation vs a bigger batch, a resharded resume) differ only in
+the order fp32 sums are taken: another split of the batch, another all-reduce, another SIMD kernel. What follows:
+
+- **Before the first update** the weights and the samples are identical, so a logged loss or gradient norm is
+  the same sum in another order. With pairwise/blocked summation its relative error is a few ulps times
+  log2(terms); 1e-5 is ~100x what any kernel showed (<= 3e-7 with AVX-512, AVX2 or the scalar path).
+- **After k updates** the runs have separated: Adam divides each gradient entry by its own magnitude, so an
+  entry whose true gradient is at rounding level (e.g. the key bias of attention, exactly zero in exact
+  arithmetic) takes a full +-lr step in a direction rounding chose. How that moves a logged quantity is
+  chaotic, so the bound is set against the training signal itself: the deviation may grow by
+  ``NOISE_FRACTION`` of the largest change the reference showed between two logs, per update after the first.
+  Measured: the AVX2 and AVX-512 kernels of one run part by 1.9e-4 relative in the gradient norm after 6
+  updates (0.0048 absolute), 75x inside this bound; a run on another global batch is off by whole units at its
+  first log, far outside it.
+- **Weights**: a flipped entry costs 2·lr per update at most, and two Adam trajectories can part by at most
+  ``ADAM_MAX_STEP``·lr per update and entry. A real error (another batch, an unsynced gradient) moves nearly
+  every weight by whole steps: measured 79% of entries beyond lr/10 after 6 updates, against 0 entries for
+  matched runs on any kernel (largest difference 4.9e-6 = lr/20 with AVX2 vs AVX-512).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FIRST_UPDATE_RTOL = 1e-5
+NOISE_FRACTION = 1e-3
+# |Adam step| <= lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr with the default betas (0.9, 0.999).
+ADAM_MAX_STEP = 3.2
+# Entries of one tensor that may sit beyond lr/10 (rounding-level gradients that flipped): 1%, at least 2.
+FLIPPED_FRACTION, FLIPPED_MIN = 0.01, 2
+
+
+def allowed_deviation(expected: Sequence[float], index: int, updates_before: int) -> float:
+    """The absolute deviation allowed for ``expected[index]``, logged after ``updates_before`` optimizer updates."""
+    steps = [abs(b - a) for a, b in zip(expected, expected[1:])]
+    growth = NOISE_FRACTION * updates_before * max(steps, default=0.0)
+    return FIRST_UPDATE_RTOL * abs(expected[index]) + growth
+
+
+def assert_same_series(actual: Sequence[float], expected: Sequence[float], updates_before: Sequence[int],
+                       what: str) -> None:
+    """``actual`` and ``expected`` logged at the same points, the k-th after ``updates_before[k]`` updates."""
+    assert len(actual) == len(expected) == len(updates_before), (what, actual, expected)
+    for index, (got, want, num_updates) in enumerate(zip(actual, expected, updates_before)):
+        bound = allowed_deviation(expected, index, num_updates)
+        assert abs(got - want) <= bound, (
+            f"{what}[{index}] after {num_updates} updates: {got!r} vs {want!r}, "
+            f"deviation {abs(got - want):.3g} > allowed {bound:.3g}"
+        )
+
+
+def weight_mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], num_updates: int,
+                      lr: float) -> list[str]:
+    """What keeps two state dicts from being the same training after ``num_updates`` Adam updates at ``lr``."""
+    problems = [] if actual.keys() == expected.keys() else [f"keys differ: {sorted(actual.keys() ^ expected.keys())}"]
+    for name in sorted(actual.keys() & expected.keys()):
+        diff = (actual[name].double() - expected[name].double()).abs().flatten()
+        if name.endswith("in_proj_bias"):  # [query; key; value]: the key third has a zero gradient, only noise
+            third = diff.numel() // 3
+            noise_only, diff = diff[third : 2 * third], torch.cat([diff[:third], diff[2 * third :]])
+            if noise_only.numel() and noise_only.max() > 2 * num_updates * lr:
+                problems.append(f"{name} (key third): {noise_only.max():.3g} > 2 x {num_updates} x lr")
+        if not diff.numel():
+            continue
+        flipped = int((diff > lr / 10).sum())
+        if flipped > max(FLIPPED_MIN, FLIPPED_FRACTION * diff.numel()):
+            problems.append(f"{name}: {flipped}/{diff.numel()} entries differ by more than lr/10")
+        if diff.max() > ADAM_MAX_STEP * 2 * num_updates * lr:
+            problems.append(f"{name}: {diff.max():.3g} is more than two Adam trajectories can part")
+    return problems
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], num_updates: int,
+                        lr: float) -> None:
+    problems = weight_mismatches(actual, expected, num_updates, lr)
+    assert not problems, "\n".join(problems)
