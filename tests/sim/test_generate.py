@@ -104,9 +104,8 @@ def test_cache_is_reused_and_an_incomplete_directory_regenerated(tmp_path: Path)
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
-def test_image_dataset_records_the_top_camera(tmp_path: Path) -> None:
-    root = tmp_path / "images"
-    report = generate_dataset(root, num_episodes=1, image_size=(48, 64))
+def test_image_dataset_records_the_top_camera(image_dataset: tuple[Path, dict]) -> None:
+    root, report = image_dataset
     dataset = LeRobotDataset(root)
     assert dataset.features["observation.images.top"]["dtype"] == "video"
     assert dataset.features["observation.images.top"]["shape"] == [48, 64, 3]

@@ -47,11 +47,8 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
     ]
 
 
-def test_image_preset_trains_on_camera_frames(tmp_path: Path) -> None:
-    from lerobot_mg.sim import generate_dataset
-
-    root = tmp_path / "aloha_images"
-    generate_dataset(root, 1, seed_start=0, image_size=(64, 96))
+def test_image_preset_trains_on_camera_frames(image_dataset: tuple[Path, dict], tmp_path: Path) -> None:
+    root, _ = image_dataset
     run_dir = tmp_path / "run"
     proc = run_train([
         "experiment=aloha_image", f"dataset.root={root}", f"output_dir={run_dir}", "steps=2", "batch_size=2",
@@ -61,5 +58,5 @@ def test_image_preset_trains_on_camera_frames(tmp_path: Path) -> None:
     ], timeout=300)
     config = json.loads((run_dir / "checkpoints" / "last" / "pretrained_model" / "config.json").read_text())
     assert config["input_features"]["observation.images.top"]["type"] == "VISUAL"
-    assert config["input_features"]["observation.images.top"]["shape"] == [3, 64, 96]
+    assert config["input_features"]["observation.images.top"]["shape"] == [3, 48, 64]
     assert "aloha_image_act" in proc.stdout
