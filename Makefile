@@ -29,15 +29,16 @@ train-image: setup
 	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)_images" --num_episodes 10 --image_size 240 320
 	$(PY) scripts/train.py experiment=aloha_image
 
-# Two xdist workers: tests wait on process start-up and rendezvous much of the time (tests/conftest.py groups the
-# tests that share trained runs). TEST_WORKERS=0 runs everything in one process.
+# Two xdist workers, one test file at a time each: tests wait on process start-up and rendezvous much of the time.
+# Runs shared across files are trained once per session (tests/launch_utils.py: shared_by_workers).
+# TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # One-process tests only (no torchrun, no simulation).
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup tests/unit $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
 bench: setup
 	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -11,8 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+from filelock import FileLock
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +31,20 @@ TINY_RUN = [
     "logging.progress_bar=false",
     "logging.wandb.mode=disabled",
 ]
+
+
+@contextmanager
+def shared_by_workers(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A path that every pytest-xdist worker of this session shares (plain pytest: under the session's basetemp),
+    held under a lock: the first worker to need a trained run or a generated dataset makes it there, the others
+    wait and reuse it instead of training it again."""
+    base = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        base = base.parent  # pytest-N/ holds one popen-gwK/ basetemp per worker
+    path = base / "shared" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield path
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ count as zero error), which keeps the mean of per-rank losses equal to the one-p
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch_utils import TINY_RUN, last_weights, run_train
+from tests.launch_utils import TINY_RUN, last_weights, run_train, shared_by_workers
 
 DETERMINISTIC_RUN = [
     *TINY_RUN,
@@ -65,17 +66,18 @@ class Run:
 
 @pytest.fixture(scope="session")
 def layout_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    """``layout_run(name)`` -> the finished run of ``LAYOUT_RUNS[name]`` (trained on first use)."""
-    root = tmp_path_factory.mktemp("layouts")
-    finished: dict[str, Run] = {}
+    """``layout_run(name)`` -> the finished run of ``LAYOUT_RUNS[name]`` (trained once per session, on first use,
+    by whichever xdist worker needs it first)."""
 
     def get(name: str) -> Run:
-        if name not in finished:
-            nproc, overrides = LAYOUT_RUNS[name]
-            output_dir = root / name
-            proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={output_dir}"], nproc=nproc, timeout=180,
-                             env=OTHER_KERNEL if name.startswith("single") else None)
-            finished[name] = Run(output_dir, proc.stdout)
-        return finished[name]
+        with shared_by_workers(tmp_path_factory, f"layouts/{name}") as output_dir:
+            stdout_file = output_dir.with_suffix(".stdout")
+            if not stdout_file.is_file():  # written last: the run finished
+                shutil.rmtree(output_dir, ignore_errors=True)
+                nproc, overrides = LAYOUT_RUNS[name]
+                proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={output_dir}"], nproc=nproc,
+                                 timeout=180, env=OTHER_KERNEL if name.startswith("single") else None)
+                stdout_file.write_text(proc.stdout)
+            return Run(output_dir, stdout_file.read_text())
 
     return get

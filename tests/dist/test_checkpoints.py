@@ -25,7 +25,16 @@ from lerobot_mg.checkpoint.convert import read_dcp_tensors
 from lerobot_mg.checkpoint.manager import check_resumable
 from lerobot_mg.checkpoint.state import read_json
 from lerobot_mg.policies.registry import load_policy
-from tests.launch_utils import REPO, TINY_RUN, clean_env, descendants, kill_tree, launch_command, run_train
+from tests.launch_utils import (
+    REPO,
+    TINY_RUN,
+    clean_env,
+    descendants,
+    kill_tree,
+    launch_command,
+    run_train,
+    shared_by_workers,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -53,18 +62,20 @@ REFERENCE_RUNS = {
 }
 
 
-def reference_run(base: Path, name: str) -> Path:
-    """The run directory of ``REFERENCE_RUNS[name]``, trained on first use in this session's ``base``."""
+def reference_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """The run directory of ``REFERENCE_RUNS[name]``, trained once per session on first use (by whichever xdist
+    worker needs it first)."""
     spec = REFERENCE_RUNS[name]
-    run_dir = base / "reference_runs" / name
-    if not (L.checkpoints_root(run_dir) / L.step_dir_name(spec.steps) / L.TRAINING_STATE_DIR / L.TRAINING_STEP).is_file():
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_train(
-            [*TINY_RUN, f"steps={spec.steps}", f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=2",
-             f"output_dir={run_dir}", *spec.overrides],
-            nproc=spec.nproc, timeout=240,
-        )
-    return run_dir
+    with shared_by_workers(tmp_path_factory, f"reference_runs/{name}") as run_dir:
+        final = L.checkpoints_root(run_dir) / L.step_dir_name(spec.steps) / L.TRAINING_STATE_DIR / L.TRAINING_STEP
+        if not final.is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_train(
+                [*TINY_RUN, f"steps={spec.steps}", f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=2",
+                 f"output_dir={run_dir}", *spec.overrides],
+                nproc=spec.nproc, timeout=240,
+            )
+        return run_dir
 
 
 def copy_run(run_dir: Path, destination: Path) -> Path:
@@ -118,7 +129,7 @@ EXPECTED_TOPOLOGY = {  # (layout, dp_replicate, dp_shard, world_size, batch_size
 @pytest.mark.parametrize("name", list(REFERENCE_RUNS))
 def test_checkpoint_tree_matches_the_guide(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     spec = REFERENCE_RUNS[name]
-    run_dir = reference_run(tmp_path_factory.getbasetemp(), name)
+    run_dir = reference_run(tmp_path_factory, name)
     root = L.checkpoints_root(run_dir)
     saved_steps = sorted({*range(SAVE_FREQ, spec.steps + 1, SAVE_FREQ), spec.steps})
     assert sorted(os.listdir(root)) == [*(f"{step:06d}" for step in saved_steps), "last"]
@@ -165,7 +176,7 @@ def test_checkpoint_tree_matches_the_guide(name: str, tmp_path_factory: pytest.T
 
 
 def test_dcp_converter_matches_gathered_weights(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    run_dir = reference_run(tmp_path_factory.getbasetemp(), "fsdp2")
+    run_dir = reference_run(tmp_path_factory, "fsdp2")
     step_dir = shutil.copytree(L.checkpoints_root(run_dir) / "000004", tmp_path / "000004")
     pretrained = step_dir / "pretrained_model"
     gathered = load_file(str(pretrained / "model.safetensors"))
@@ -187,7 +198,7 @@ def test_dcp_converter_matches_gathered_weights(tmp_path: Path, tmp_path_factory
 
 def test_optimizer_shards_read_offline_match_the_run(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The offline DCP reader sees the full AdamW state of every parameter, keyed by parameter FQN."""
-    run_dir = reference_run(tmp_path_factory.getbasetemp(), "fsdp2")
+    run_dir = reference_run(tmp_path_factory, "fsdp2")
     step_dir = L.checkpoints_root(run_dir) / "000010"
     weights = load_file(str(step_dir / "pretrained_model" / "model.safetensors"))
     optimizer = read_dcp_tensors(step_dir / "training_state" / "optimizer_0")

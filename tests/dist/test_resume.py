@@ -94,7 +94,7 @@ def test_resume_is_bit_exact_on_the_same_topology(name: str, tmp_path: Path,
                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     """N steps straight == RESUME_STEP steps, stop, resume to N: weights, optimizer, RNG, schedulers, samples."""
     spec = REFERENCE_RUNS[name]
-    reference = reference_run(tmp_path_factory.getbasetemp(), name)
+    reference = reference_run(tmp_path_factory, name)
     resumed = copy_run(reference, tmp_path / "resumed")
     proc = run_train(resume_args(resumed, RESUME_STEP), nproc=spec.nproc, timeout=240)
     assert f"Data sampler resumed sample-exact at epoch 0, sample offset {RESUME_STEP * 16}" in proc.stdout
@@ -144,7 +144,7 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
     Each load equals what was saved, bit for bit; the chained run sees the reference run's global batches and
     ends at its weights (up to float reduction order).
     """
-    reference = reference_run(tmp_path_factory.getbasetemp(), "fsdp2")
+    reference = reference_run(tmp_path_factory, "fsdp2")
     chain = copy_run(reference, tmp_path / "chain")
     ckpt = L.checkpoints_root(chain)
 
@@ -198,7 +198,7 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
 def test_resume_refuses_a_checkpoint_with_missing_shards(tmp_path: Path,
                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
     """The error names the file and the remedy, and comes before any training."""
-    run_dir = copy_run(reference_run(tmp_path_factory.getbasetemp(), "fsdp2"), tmp_path / "broken")
+    run_dir = copy_run(reference_run(tmp_path_factory, "fsdp2"), tmp_path / "broken")
     optimizer_dir = L.checkpoints_root(run_dir) / "000004" / "training_state" / "optimizer_0"
     (optimizer_dir / "__1_0.distcp").unlink()
     ledger_before = (run_dir / "ledger.jsonl").read_text()
@@ -213,9 +213,9 @@ def test_resume_refuses_a_checkpoint_with_missing_shards(tmp_path: Path,
 def test_resume_refuses_a_gathered_optimizer_state_of_a_sharded_run(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The LeRobot <= 0.6.x FSDP layout: a full optimizer state file in a sharded run's training_state."""
-    run_dir = copy_run(reference_run(tmp_path_factory.getbasetemp(), "fsdp2"), tmp_path / "old_layout")
+    run_dir = copy_run(reference_run(tmp_path_factory, "fsdp2"), tmp_path / "old_layout")
     training_state = L.checkpoints_root(run_dir) / "000004" / "training_state"
-    single = L.checkpoints_root(reference_run(tmp_path_factory.getbasetemp(), "single")) / "000004"
+    single = L.checkpoints_root(reference_run(tmp_path_factory, "single")) / "000004"
     shutil.rmtree(training_state / "optimizer_0")
     for name in ("optimizer_state.safetensors", "optimizer_param_groups.json"):
         shutil.copy(single / "training_state" / name, training_state / name)
