@@ -13,7 +13,13 @@ def train() -> None:
     from omegaconf import DictConfig
 
     from lerobot_mg.config import register_configs
-    from lerobot_mg.config.loading import CONF_DIR, merge_resume_config, normalize_argv, to_train_config
+    from lerobot_mg.config.loading import (
+        CONF_DIR,
+        apply_policy_path,
+        merge_resume_config,
+        normalize_argv,
+        to_train_config,
+    )
 
     sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
     register_configs()
@@ -24,8 +30,11 @@ def train() -> None:
 
         logging.getLogger("lerobot_mg").setLevel(logging.INFO)
         try:
-            if composed.resume:
-                composed = merge_resume_config(composed, list(HydraConfig.get().overrides.task))
+            overrides = list(HydraConfig.get().overrides.task)
+            if composed.resume:  # the saved config already holds the base's policy config
+                composed = merge_resume_config(composed, overrides)
+            elif composed.policy.path is not None:
+                composed = apply_policy_path(composed, overrides)
             run_training(to_train_config(composed), composed)
         except ValueError as error:
             # User errors (bad config, unusable checkpoint, refused environment) are found before training

@@ -51,7 +51,8 @@ class RunTracker:
             self._bar = tqdm(total=cfg.steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
         self._start = time.perf_counter()
 
-    def record_start(self, resumed_from: Path | None, run_facts: dict, continuation: str | None) -> None:
+    def record_start(self, resumed_from: Path | None, run_facts: dict, continuation: str | None,
+                     model: dict[str, Any]) -> None:
         p, cfg = self.progress, self.cfg
         self.ledger.record_start(
             kind="resume" if resumed_from else "start", loop_step=p.step, samples_seen=p.samples_seen,
@@ -60,6 +61,7 @@ class RunTracker:
             code_revision=run_facts["code_revision"], dataset_fingerprint=run_facts["dataset_fingerprint"],
             checkpoint_format=cfg.checkpoint.format, resumed_from=str(resumed_from) if resumed_from else None,
             lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
+            model=model,
         )
 
     def step_done(self, logs: StepLogs, epoch: int, offset: int) -> None:

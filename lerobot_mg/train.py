@@ -26,10 +26,12 @@ from lerobot_mg.distributed.accelerator import (
     shard_units,
 )
 from lerobot_mg.distributed.env_guard import check_accelerate_env
+from lerobot_mg.distributed.memory import gather_rank_bytes
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.launch.run_dir import agree_on_output_dir
 from lerobot_mg.optim import make_optimizer, make_scheduler
-from lerobot_mg.policies.registry import make_policy
+from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
+from lerobot_mg.peft.lora import AdapterWeights
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
 from lerobot_mg.step import Stepper
 from lerobot_mg.tracking import Progress, RunTracker
@@ -66,18 +68,20 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         cfg.dataset.root, delta_timestamps=_action_deltas(cfg, cfg.dataset.root), episodes=cfg.dataset.episodes
     )
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size)
-    policy = make_policy(cfg.policy, dataset.features)
+    policy = build_policy(cfg, dataset.features)  # fresh, the base at policy.path, or that base under LoRA
     preprocessor, postprocessor = make_processors(cfg.policy, policy.input_features, policy.output_features, dataset.stats)
-    if resume_dir is not None:  # normalisation exactly as the original run had it
-        preprocessor = PolicyProcessorPipeline.from_pretrained(resume_dir / layout.PRETRAINED_MODEL_DIR, "policy_preprocessor")
-        postprocessor = PolicyProcessorPipeline.from_pretrained(resume_dir / layout.PRETRAINED_MODEL_DIR, "policy_postprocessor")
+    if (saved := processors_dir(cfg, resume_dir)) is not None:  # normalisation as the resumed run / the base had it
+        preprocessor = PolicyProcessorPipeline.from_pretrained(saved, "policy_preprocessor")
+        postprocessor = PolicyProcessorPipeline.from_pretrained(saved, "policy_postprocessor")
     preprocessor = preprocessor.to(accelerator.device)
     if dims.is_sharded:  # the optimizer must see the sharded parameters of the wrap units
         shard_units(accelerator, policy, cfg.accelerator.fsdp)  # collective
     optimizer = make_optimizer(policy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
-    checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims)
+    checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
+                                    adapter=AdapterWeights.of(policy))
+    finetune = {**describe_finetune(cfg, policy), "rank_bytes": gather_rank_bytes(policy)}  # collective
 
     run_facts = _run_facts(cfg, dataset)  # git + dataset hashing: once per start
     progress, continuation = Progress(), None
@@ -94,8 +98,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
 
     tracker = RunTracker(cfg, dims, arithmetic, sampler, output_dir, train_config, progress, accelerator.device)
-    tracker.record_start(resume_dir, run_facts, continuation)
-    _print_banner(cfg, dims, arithmetic, policy, dataset, output_dir, progress, continuation)
+    tracker.record_start(resume_dir, run_facts, continuation, finetune)
+    _print_banner(cfg, dims, arithmetic, finetune, dataset, output_dir, progress, continuation)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
@@ -109,9 +113,12 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
             save_items.training_step = _training_step_record(progress, sampler, cfg, dims, arithmetic, run_facts)
             checkpoints.save(progress.step, model, optimizer, save_items)  # collective
 
+    rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
     tracker.close()
     result = {"output_dir": str(output_dir), "progress": progress.__dict__.copy(),
-              "final_loss": tracker.last_metrics["loss"]}
+              "final_loss": tracker.last_metrics["loss"], "rank_bytes": rank_bytes}
+    if dims.is_main_process:
+        write_json(output_dir / "rank_bytes.json", rank_bytes)
     accelerator.wait_for_everyone()
     if cfg.eval.n_episodes > 0 and dims.is_main_process:  # after the last collective: other ranks may exit
         result["eval"] = _evaluate(output_dir, cfg)
@@ -216,11 +223,12 @@ def _warn_resume_differences(saved: dict, cfg: TrainConfig, dims: ParallelDims, 
                        saved["gradient_accumulation_steps"], cfg.accelerator.gradient_accumulation.steps)
 
 
-def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithmetic, policy: torch.nn.Module,
+def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithmetic, finetune: dict[str, Any],
                   dataset: LeRobotDataset, output_dir: Path, progress: Progress, continuation: str | None) -> None:
     if not dims.is_main_process:
         return
-    num_params = sum(p.numel() for p in policy.parameters())
+    num_params, num_trainable = finetune["total_params"], finetune["trainable_params"]
+    per_rank = ", ".join(f"{held['parameters'] / 2**20:.2f}" for held in finetune["rank_bytes"])
     lines = [
         f"lerobot_mg train: {cfg.job_name} -> {output_dir}",
         f"  topology: {dims.describe()} (world size {dims.world_size})",
@@ -228,9 +236,16 @@ def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithme
         f"  steps: {cfg.steps} loop steps = {arithmetic.sample_presentations(cfg.steps)} sample presentations, "
         f"{arithmetic.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
         f"  precision: {cfg.accelerator.mixed_precision}  checkpoint format: {cfg.checkpoint.format}",
-        f"  policy: {cfg.policy.type} ({num_params / 1e6:.2f}M params)  dataset: {dataset.root} "
+        f"  policy: {cfg.policy.type} ({num_params / 1e6:.2f}M params, {num_trainable / 1e6:.2f}M trainable = "
+        f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} "
         f"({len(dataset)} frames, {dataset.num_episodes} episodes)",
+        f"  parameter MiB per rank: [{per_rank}]",
     ]
+    if finetune["base_model_path"] is not None:
+        peft = finetune["peft"]
+        how = (f"{peft['method_type']} r={peft['r']} lora_alpha={peft['lora_alpha']:g} on {peft['target_modules']}"
+               f", full training {peft['full_training_modules']}" if peft else "full fine-tuning")
+        lines.append(f"  base model: {finetune['base_model_path']} ({how})")
     if progress.step:
         lines.append(f"  resumed at loop step {progress.step}: {continuation}")
     print("\n".join(lines), flush=True)

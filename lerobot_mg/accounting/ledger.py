@@ -7,7 +7,8 @@ compared on the quantity that matters instead of on the step counter.
 
 Records (field "kind"):
   start / resume  one per process start: loop step, counters, batch arithmetic, topology, world size,
-                  precision, code revision, dataset fingerprint, checkpoint format, resumed-from, lr schedule
+                  precision, code revision, dataset fingerprint, checkpoint format, resumed-from, lr schedule,
+                  model (total / trainable parameters, base model path, PEFT settings, parameter bytes per rank)
   interval        one per logged interval: loop step, sample presentations and optimizer updates so far,
                   effective batch, lr, loss (already reduced across ranks), wall time
   update          one per optimizer update: a digest of the global sample indices it consumed
@@ -157,8 +158,10 @@ class RunLedger:
         resumed_from: str | None,
         lr_schedule: dict,
         sampler_continuation: str | None,
+        model: dict[str, Any] | None = None,
     ) -> None:
-        """Record one start ("start") or resume ("resume"); the counters are those the run starts from."""
+        """Record one start ("start") or resume ("resume"); the counters are those the run starts from. ``model``:
+        total and trainable parameters, the base model path and PEFT settings, parameter bytes per rank."""
         if kind not in START_KINDS:
             raise ValueError(f"record_start kind must be one of {START_KINDS}, got {kind!r}.")
         if kind == "resume" and resumed_from is None:
@@ -182,6 +185,7 @@ class RunLedger:
                 "resumed_from": resumed_from,
                 "lr_schedule": lr_schedule,
                 "sampler_continuation": sampler_continuation,
+                "model": model,
             }
         )
 

@@ -38,8 +38,6 @@ from lerobot_mg.checkpoint import layout as L
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG_JSON = "adapter_config.json"
-ADAPTER_SAFETENSORS = "adapter_model.safetensors"
 HUB_FILE_SUFFIXES = (".safetensors", ".json", ".md")
 # Tensors are read from the shards in groups of about this many bytes, one progress-bar tick per group.
 _READ_GROUP_BYTES = 256 * 2**20
@@ -132,7 +130,7 @@ def resolve_pretrained_dir(checkpoint_dir: Path) -> Path:
 
 def merged_file_name(pretrained_dir: Path) -> str:
     """A PEFT checkpoint's shards hold the adapter only, and merge into the adapter file."""
-    return ADAPTER_SAFETENSORS if (Path(pretrained_dir) / ADAPTER_CONFIG_JSON).is_file() else L.MODEL_SAFETENSORS
+    return L.ADAPTER_SAFETENSORS if (Path(pretrained_dir) / L.ADAPTER_CONFIG_JSON).is_file() else L.MODEL_SAFETENSORS
 
 
 def _verify_written(path: Path, expected: dict[str, Tensor]) -> None:

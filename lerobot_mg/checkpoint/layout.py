@@ -3,6 +3,8 @@
 ```
 checkpoints/005000/pretrained_model/{config.json, train_config.json, model.safetensors | pytorch_model_fsdp_0/,
                                      policy_preprocessor*.json/.safetensors, policy_postprocessor*}
+    (a PEFT run: adapter_model.safetensors + adapter_config.json replace model.safetensors; the DCP shards
+     hold the adapter only)
 checkpoints/005000/training_state/{optimizer_param_groups.json, optimizer_state.safetensors | optimizer_0/,
                                    rng_state.safetensors, scheduler_state.json, scaler_state.json,
                                    training_step.json}
@@ -25,6 +27,8 @@ TMP_PREFIX = ".tmp-"
 TRAIN_CONFIG_JSON = "train_config.json"
 MODEL_SAFETENSORS = "model.safetensors"
 MODEL_DCP_DIR = "pytorch_model_fsdp_0"
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+ADAPTER_CONFIG_JSON = "adapter_config.json"  # records the base model's path (base_model_name_or_path)
 
 OPTIMIZER_PARAM_GROUPS = "optimizer_param_groups.json"
 OPTIMIZER_STATE = "optimizer_state.safetensors"

@@ -13,7 +13,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from lerobot_mg.checkpoint.state import (
     write_json,
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from lerobot_mg.peft.lora import AdapterWeights
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +83,48 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, checkpoint_format: str, keep_last: int | None, dims: ParallelDims):
+    """``adapter`` (PEFT runs): weights are the trainable parameters only, as adapter_model.safetensors +
+    adapter_config.json or as DCP shards under the same keys; the frozen base is never written."""
+
+    def __init__(self, output_dir: Path, checkpoint_format: str, keep_last: int | None, dims: ParallelDims,
+                 adapter: AdapterWeights | None = None):
         self.root = L.checkpoints_root(output_dir)
         self.format = checkpoint_format
         self.keep_last = keep_last
         self.dims = dims
+        self.adapter = adapter
+
+    def _model_state(self, model: nn.Module, full: bool = False) -> dict[str, Any]:
+        """The weights a checkpoint holds (adapter keys for PEFT). ``full`` gathers them onto rank 0, on the CPU:
+        collective under FSDP."""
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=self.adapter is not None)
+        state = get_model_state_dict(model, options=options)
+        return self.adapter.to_adapter(state) if self.adapter is not None else state
+
+    def _write_weights(self, policy: nn.Module, pretrained: Path, state: dict[str, Any]) -> None:
+        if self.adapter is not None:
+            self.adapter.write(pretrained, state)
+        else:
+            policy.save_pretrained(pretrained, state_dict=state)
+
+    def _load_model(self, model: nn.Module, pretrained: Path) -> None:
+        """Collective under FSDP: DCP shards reshard to this topology; a single file is distributed."""
+        strict = self.adapter is None
+        if (pretrained / L.MODEL_DCP_DIR).is_dir():
+            state = self._model_state(model)
+            dcp.load(state, checkpoint_id=pretrained / L.MODEL_DCP_DIR)
+            if self.adapter is not None:
+                state = self.adapter.to_model(state, pretrained / L.MODEL_DCP_DIR)
+            set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+            return
+        weights = pretrained / (L.ADAPTER_SAFETENSORS if self.adapter is not None else L.MODEL_SAFETENSORS)
+        if not weights.is_file():
+            raise ValueError(f"{weights} is missing: the checkpoint was not saved by a run with this run's peft.* "
+                             "settings. Fix: resume with the settings it was saved with")
+        state = load_file(str(weights))
+        if self.adapter is not None:
+            state = self.adapter.to_model(state, weights)
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=self.dims.is_sharded, strict=strict))
 
     # ------------------------------------------------------------------------------------------- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, items: SaveItems) -> Path:
@@ -103,22 +143,25 @@ class CheckpointManager:
 
         if dims.is_sharded:
             if self.format in ("dcp", "safetensors_dcp"):
-                dcp.save(get_model_state_dict(model), checkpoint_id=pretrained / L.MODEL_DCP_DIR)
+                dcp.save(self._model_state(model), checkpoint_id=pretrained / L.MODEL_DCP_DIR)
             if self.format in ("safetensors", "safetensors_dcp"):
                 # The gather is collective; the full (fp32 master) weights land on rank 0 only.
-                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                full = self._model_state(model, full=True)
                 if main:
-                    items.policy.save_pretrained(pretrained, state_dict=full)
+                    self._write_weights(items.policy, pretrained, full)
                 del full
             elif main:
-                items.policy.write_config(pretrained)
+                if self.adapter is not None:  # the converter names the merged file after adapter_config.json
+                    self.adapter.write_configs(pretrained)
+                else:
+                    items.policy.write_config(pretrained)
             dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=training_state / L.OPTIMIZER_DCP_DIR)
         else:
             # On every rank: an optimizer that has not stepped yet (say every fp16 update so far overflowed) gets
             # its state created here by a zero-lr step, and DDP replicas must keep identical optimizer states.
             optimizer_state = get_optimizer_state_dict(model, optimizer)
             if main:
-                items.policy.save_pretrained(pretrained, state_dict=get_model_state_dict(model))
+                self._write_weights(items.policy, pretrained, self._model_state(model))
                 tensors, groups = flatten_optimizer_state(optimizer_state)
                 save_file(tensors, str(training_state / L.OPTIMIZER_STATE))
                 write_json(training_state / L.OPTIMIZER_PARAM_GROUPS, groups)
@@ -191,13 +234,7 @@ class CheckpointManager:
         pretrained, training_state = step_dir / L.PRETRAINED_MODEL_DIR, step_dir / L.TRAINING_STATE_DIR
         sharded = self.dims.is_sharded
         optimizer = _torch_optimizer(optimizer)
-        if (pretrained / L.MODEL_DCP_DIR).is_dir():
-            model_sd = get_model_state_dict(model)
-            dcp.load(model_sd, checkpoint_id=pretrained / L.MODEL_DCP_DIR)
-            set_model_state_dict(model, model_sd)
-        else:
-            full = load_file(str(pretrained / L.MODEL_SAFETENSORS))
-            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=sharded))
+        self._load_model(model, pretrained)
 
         if (training_state / L.OPTIMIZER_DCP_DIR).is_dir():
             osd = get_optimizer_state_dict(model, optimizer)
@@ -261,9 +298,10 @@ def check_resumable(step_dir: Path) -> dict[str, Any]:
                 else "restore the missing shard files; this checkpoint cannot be resumed without them"
             )
             raise ValueError(f"{model_dcp} is missing shard file(s) {missing}. Fix: {remedy}")
-    elif not (pretrained / L.MODEL_SAFETENSORS).is_file():
+    elif not ((pretrained / L.MODEL_SAFETENSORS).is_file() or (pretrained / L.ADAPTER_SAFETENSORS).is_file()):
         raise ValueError(
-            f"{pretrained} holds neither {L.MODEL_SAFETENSORS} nor {L.MODEL_DCP_DIR}/: no weights to resume from."
+            f"{pretrained} holds none of {L.MODEL_SAFETENSORS}, {L.ADAPTER_SAFETENSORS}, {L.MODEL_DCP_DIR}/: no "
+            "weights to resume from."
         )
 
     optim_dcp = training_state / L.OPTIMIZER_DCP_DIR

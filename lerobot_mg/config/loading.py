@@ -100,3 +100,20 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     merged.resume = True
     merged.config_path = composed.config_path
     return merged
+
+
+def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
+    """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
+    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does."""
+    from lerobot_mg.peft.base import check_policy_path, read_policy_config
+
+    path = str(composed.policy.path)
+    check_policy_path(path)
+    kept = {
+        key: OmegaConf.select(composed, key) for key in override_keys(overrides)
+        if key.startswith("policy.") and key != "policy.path"
+    }
+    base = {f"policy.{name}": value for name, value in read_policy_config(path).items()}
+    for key, value in {**base, "policy.path": path, **kept}.items():
+        OmegaConf.update(composed, key, value, merge=False)
+    return composed

@@ -108,6 +108,32 @@ class SchedulerConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning of the base at ``policy.path`` with the ``peft`` library.
+
+    ``method_type=null`` trains every parameter. ``LORA`` freezes the base and trains low-rank adapters on
+    ``target_modules`` (null: the policy's own default, e.g. ACT's feed-forward projections) plus full copies of
+    ``full_training_modules``. The adapter's output is scaled by ``lora_alpha / r``; ``lora_alpha=null`` means
+    ``lora_alpha = r`` (scale 1), and the value actually used is written to adapter_config.json: the adapter is
+    never rescaled behind your back by a library default (peft's own default alpha is 8 whatever ``r``).
+    """
+
+    method_type: str | None = None  # null | LORA
+    r: int = 16
+    lora_alpha: float | None = None  # null: = r (scale 1)
+    dropout: float = 0.0  # on the adapter's input
+    target_modules: list[str] | None = None  # module names (or name suffixes); null: the policy's default
+    full_training_modules: list[str] | None = None  # modules trained in full (a copy; the base stays frozen)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method_type is not None
+
+    def alpha(self) -> float:
+        return float(self.r if self.lora_alpha is None else self.lora_alpha)
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "lerobot_mg"
@@ -135,6 +161,7 @@ class TrainConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
     policy: ACTConfig = field(default_factory=ACTConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

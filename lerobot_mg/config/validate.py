@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from lerobot_mg.config.schema import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _validate_data_and_optim(cfg)
     _validate_resume_and_output(cfg)
     cfg.policy.validate()
+    _validate_finetune(cfg, sharded)
 
 
 def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
@@ -247,6 +250,27 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
             "evaluation runs the ALOHA transfer-cube simulation, which only matches the embedded dataset",
             "eval.n_episodes=0, or dataset=embedded",
         )
+
+
+def _validate_finetune(cfg: TrainConfig, sharded: bool) -> None:
+    """``policy.path`` and ``peft.*``: the base on disk and the module names it has."""
+    if cfg.policy.path is None and not cfg.peft.enabled:
+        return
+    from lerobot_mg.peft.base import check_policy_path, stored_dtype
+    from lerobot_mg.peft.lora import check_peft_config
+
+    if cfg.policy.path is not None:
+        check_policy_path(cfg.policy.path)
+    if cfg.peft.enabled:
+        check_peft_config(cfg, sharded)
+        dtype = stored_dtype(str(cfg.policy.path))
+        if sharded and dtype in (torch.bfloat16, torch.float16) and cfg.accelerator.mixed_precision == "no":
+            raise config_error(
+                "accelerator.mixed_precision", cfg.accelerator.mixed_precision,
+                f"the base at policy.path is stored in {str(dtype).removeprefix('torch.')}, and FSDP2 shards the "
+                "fp32 LoRA adapters with it; with mixed precision on, every trainable parameter is upcast to fp32",
+                f"accelerator.mixed_precision={'fp16' if dtype == torch.float16 else 'bf16'}",
+            )
 
 
 def check_resume_request(resume: bool, config_path: str | None) -> None:

@@ -151,6 +151,8 @@ def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) ->
             + f" (units chosen by {rule}). Fix: wrap the repeated block class (accelerator.fsdp.wrap_modules) so "
             "both users of the tied weight stay together, e.g. in the root unit."
         )
+    if accelerator.mixed_precision != "no":
+        _upcast_trainable(model, accelerator.is_main_process)
     plugin = accelerator.state.fsdp_plugin
     mesh = accelerator.torch_device_mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
     kwargs = {
@@ -166,6 +168,22 @@ def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) ->
     if accelerator.is_main_process:
         logger.info("FSDP wrap units (%s): %d units, e.g. %s", rule, len(units), units[-1][0])
     return [name for name, _ in units]
+
+
+def _upcast_trainable(model: nn.Module, log: bool) -> None:
+    """fp32 master copies of every trainable parameter, before any unit is sharded.
+
+    FSDP2 needs one original dtype among the trainable parameters of a unit (a bf16 base fine-tuned with PEFT has
+    fp32 adapters beside bf16 copies of its full-training modules); the MixedPrecisionPolicy casts for compute.
+    Accelerate's prepare does the same upcast, but only when it shards the root, after our units.
+    """
+    upcast = [name for name, param in model.named_parameters() if param.requires_grad and param.dtype != torch.float32]
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+    if log and upcast:
+        logger.info("Upcast %d trainable parameters to fp32 master weights (mixed precision), e.g. %s", len(upcast),
+                    upcast[0])
 
 
 def ignored_trainable_params(model: nn.Module) -> list[nn.Parameter]:

@@ -24,16 +24,18 @@ def select_wrap_units(
     class's ``_fsdp_wrap_modules``. With none of the three, or a rule that matches nothing but the root, the run
     stops: a root-only wrap forfeits all sharding memory savings.
     """
-    declared = list(getattr(type(model), "_fsdp_wrap_modules", []) or [])
+    # A peft model wraps the policy (LoRA layers replace modules in place): the declaration is the policy's.
+    policy = model.get_base_model() if hasattr(model, "get_base_model") else model
+    declared = list(getattr(type(policy), "_fsdp_wrap_modules", []) or [])
     if wrap_modules:
         class_names, rule = list(wrap_modules), f"accelerator.fsdp.wrap_modules={list(wrap_modules)}"
     elif min_num_params is not None:
         class_names, rule = None, f"accelerator.fsdp.min_num_params={min_num_params}"
     elif declared:
-        class_names, rule = declared, f"{type(model).__name__}._fsdp_wrap_modules={declared}"
+        class_names, rule = declared, f"{type(policy).__name__}._fsdp_wrap_modules={declared}"
     else:
         raise ValueError(
-            f"accelerator.fsdp.wrap_modules=None: {type(model).__name__} declares no _fsdp_wrap_modules, so a "
+            f"accelerator.fsdp.wrap_modules=None: {type(policy).__name__} declares no _fsdp_wrap_modules, so a "
             "sharded run would wrap only the root module and save no memory. Fix: "
             "accelerator.fsdp.wrap_modules='[\"MyTransformerBlock\"]' or accelerator.fsdp.min_num_params=1000000"
         )

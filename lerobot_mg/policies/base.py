@@ -94,7 +94,7 @@ def features_from_dataset(
     return input_features, output_features
 
 
-def _safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+def safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """CPU, contiguous tensors with no two sharing storage (safetensors refuses shared storage)."""
     seen_storages: set[int] = set()
     ready: dict[str, Tensor] = {}
@@ -120,6 +120,8 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     # Methods besides forward() that run the network. FSDP2 unshards parameters only around forward(), so
     # whoever wraps the policy must pass each of these to `register_fsdp_forward_method`.
     _fsdp_forward_methods: ClassVar[list[str]] = ["predict_action_chunk"]
+    # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null.
+    _peft_target_modules: ClassVar[list[str]] = []
 
     def __init__(
         self,
@@ -180,12 +182,39 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         `state_dict` overrides the module's own (e.g. a full state dict gathered from FSDP shards).
         """
         self.write_config(directory)
-        tensors = _safetensors_ready(self.state_dict() if state_dict is None else state_dict)
+        tensors = safetensors_ready(self.state_dict() if state_dict is None else state_dict)
         save_file(tensors, str(Path(directory) / WEIGHTS_NAME), metadata={"format": "pt"})
 
+    def load_weights(self, directory: Path, map_location: str | torch.device = "cpu") -> None:
+        """Load ``directory``'s model.safetensors into this policy, strictly. The parameters take the dtype the
+        weights were stored in (a bf16 base stays bf16: fine-tuning keeps the base's precision)."""
+        directory = Path(directory)
+        weights_path = directory / WEIGHTS_NAME
+        if not weights_path.is_file():
+            raise ValueError(
+                f"No {WEIGHTS_NAME} in {directory}. A checkpoint saved with checkpoint_format=dcp holds only "
+                "DCP shards (pytorch_model_fsdp_0/); merge them first with `lerobot-mg-convert-dcp "
+                f"--checkpoint_dir={directory}`."
+            )
+        state_dict = load_file(str(weights_path), device=str(map_location))
+        stored = {t.dtype for t in state_dict.values() if t.is_floating_point()}
+        if len(stored) == 1:
+            self.to(stored.pop())
+        try:
+            missing, unexpected = self.load_state_dict(state_dict, strict=False)
+        except RuntimeError as error:  # shape mismatches
+            raise ValueError(
+                f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: {error}"
+            ) from error
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: "
+                f"missing keys {missing}, unexpected keys {unexpected}."
+            )
+
     @classmethod
-    def from_pretrained(cls, directory: Path, map_location: str | torch.device = "cpu") -> PreTrainedPolicy:
-        """Build the policy from config.json and load model.safetensors; returned in eval mode."""
+    def read_config(cls, directory: Path) -> tuple[Any, dict[str, FeatureSpec], dict[str, FeatureSpec]]:
+        """(config, input_features, output_features) from ``directory``'s config.json, validated."""
         directory = Path(directory)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
@@ -202,27 +231,13 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
             raise ValueError(f"{config_path} has fields {unknown} that {cls.config_class.__name__} lacks.")
         config = cls.config_class(**raw, type=policy_type)
         config.validate()
-        policy = cls(config, input_features, output_features)
+        return config, input_features, output_features
 
-        weights_path = directory / WEIGHTS_NAME
-        if not weights_path.is_file():
-            raise ValueError(
-                f"No {WEIGHTS_NAME} in {directory}. A checkpoint saved with checkpoint_format=dcp holds only "
-                "DCP shards (pytorch_model_fsdp_0/); merge them first with `lerobot-mg-convert-dcp "
-                f"--checkpoint_dir={directory}`."
-            )
-        state_dict = load_file(str(weights_path), device=str(map_location))
-        try:
-            missing, unexpected = policy.load_state_dict(state_dict, strict=False)
-        except RuntimeError as error:  # shape mismatches
-            raise ValueError(
-                f"{weights_path} does not match the policy built from {config_path}: {error}"
-            ) from error
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights_path} does not match the policy built from {config_path}: "
-                f"missing keys {missing}, unexpected keys {unexpected}."
-            )
+    @classmethod
+    def from_pretrained(cls, directory: Path, map_location: str | torch.device = "cpu") -> PreTrainedPolicy:
+        """Build the policy from config.json and load model.safetensors; returned in eval mode."""
+        policy = cls(*cls.read_config(directory))
+        policy.load_weights(directory, map_location)
         policy.to(map_location)
         policy.eval()
         return policy

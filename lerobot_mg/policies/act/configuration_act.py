@@ -28,6 +28,9 @@ class ACTConfig:
     """Action Chunking Transformer (Zhao et al. 2023), LeRobot-compatible field names."""
 
     type: str = "act"
+    # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
+    # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
+    path: str | None = None
     # Dataset keys fed to the policy; None means every `observation.*` key of the dataset.
     observation_keys: list[str] | None = None
     chunk_size: int = 100

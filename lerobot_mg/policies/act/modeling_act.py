@@ -343,6 +343,10 @@ class ACTPolicy(PreTrainedPolicy):
     name: ClassVar[str] = "act"
     config_class: ClassVar[type] = ACTConfig
     _fsdp_wrap_modules: ClassVar[list[str]] = ["ACTEncoderLayer", "ACTDecoderLayer"]
+    # The feed-forward projections of every encoder/decoder layer. The attention is nn.MultiheadAttention: peft's
+    # LoRA wrapper for it swaps parameters during forward, which FSDP2 cannot shard, and its out_proj is read as
+    # a weight, never called, so an adapter there would silently do nothing.
+    _peft_target_modules: ClassVar[list[str]] = ["linear1", "linear2"]
 
     def __init__(
         self,

@@ -1,0 +1,48 @@
+"""The policy a run trains: fresh, the base at ``policy.path`` (plain fine-tuning), or that base under LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.peft.base import check_dataset_matches, load_base_policy
+from lerobot_mg.peft.lora import resolve_targets, wrap_with_lora
+from lerobot_mg.policies.registry import make_policy
+
+
+def build_policy(cfg: TrainConfig, dataset_features: dict[str, dict[str, Any]]) -> nn.Module:
+    if cfg.policy.path is None:
+        return make_policy(cfg.policy, dataset_features)
+    check_dataset_matches(cfg.policy.path, dataset_features)
+    policy = load_base_policy(cfg.policy, cfg.policy.path)
+    return wrap_with_lora(policy, cfg.peft, cfg.policy.path) if cfg.peft.enabled else policy
+
+
+def processors_dir(cfg: TrainConfig, resume_dir: Path | None) -> Path | None:
+    """Where this run's normalisation comes from: the checkpoint it resumes, else the base it fine-tunes (the
+    statistics the base was trained with), else None (this dataset's statistics)."""
+    if resume_dir is not None:
+        return resume_dir / L.PRETRAINED_MODEL_DIR
+    return Path(cfg.policy.path) if cfg.policy.path is not None else None
+
+
+def describe_finetune(cfg: TrainConfig, policy: nn.Module) -> dict[str, Any]:
+    """The ledger's and banner's facts about what trains: parameter counts, the base, the PEFT settings."""
+    facts: dict[str, Any] = {
+        "total_params": sum(p.numel() for p in policy.parameters()),
+        "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        "base_model_path": str(Path(cfg.policy.path).resolve()) if cfg.policy.path is not None else None,
+        "peft": None,
+    }
+    if cfg.peft.enabled:
+        base_class = type(policy.get_base_model())  # type: ignore[operator]
+        facts["peft"] = {
+            "method_type": cfg.peft.method_type, "r": cfg.peft.r, "lora_alpha": cfg.peft.alpha(),
+            "target_modules": resolve_targets(cfg.peft, base_class),
+            "full_training_modules": list(cfg.peft.full_training_modules or []),
+        }
+    return facts

@@ -1,0 +1,244 @@
+"""LoRA through the ``peft`` library: wrapping the base, checking ``peft.*``, and the adapter checkpoint.
+
+The trained module is peft's ``PeftModel``: its module names begin with ``base_model.model.`` (what
+``accelerator.fsdp.ignored_modules`` is matched against), LoRA layers replace the targeted modules in place (so
+the policy's FSDP wrap units are still found by class name), and ``full_training_modules`` become peft's
+``modules_to_save``: trainable copies beside the frozen originals. A checkpoint stores the trainable parameters
+only, under the keys peft's own ``get_peft_model_state_dict`` gives them (``adapter_model.safetensors``), with
+the ``LoraConfig`` (``adapter_config.json``, which records the base model path).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.config.schema import PeftConfig, TrainConfig
+from lerobot_mg.config.validate import config_error
+from lerobot_mg.peft.base import base_features
+from lerobot_mg.policies.base import PreTrainedPolicy, safetensors_ready
+from lerobot_mg.policies.registry import get_policy_class
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+METHOD_TYPES = ("LORA",)
+PEFT_NAME_PREFIX = "base_model.model."  # what PeftModel puts before the policy's own module names
+ADAPTER_NAME = "default"
+# Module types peft's LoRA adapts. nn.MultiheadAttention is refused on sharded runs (see _check_target).
+_LORA_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.MultiheadAttention)
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """peft's rule for a name in a list: the whole module name, or its last dotted components."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def resolve_targets(peft_cfg: PeftConfig, policy_class: type[PreTrainedPolicy]) -> list[str]:
+    return list(peft_cfg.target_modules) if peft_cfg.target_modules is not None else list(
+        policy_class._peft_target_modules
+    )
+
+
+def _skeleton(cfg: TrainConfig) -> PreTrainedPolicy:
+    """The policy of this run without memory (meta device): its module names and types only."""
+    inputs, outputs = base_features(str(cfg.policy.path))
+    with torch.device("meta"):
+        return get_policy_class(cfg.policy.type)(cfg.policy, inputs, outputs)
+
+
+def check_peft_config(cfg: TrainConfig, sharded: bool) -> None:
+    """Every ``peft.*`` user error, before any process group: the values, then each module name against the
+    policy's modules. ``policy.path`` must already be checked."""
+    peft_cfg = cfg.peft
+    if peft_cfg.method_type not in METHOD_TYPES:
+        raise config_error(
+            "peft.method_type", peft_cfg.method_type, f"must be one of {METHOD_TYPES} (or null for no PEFT)",
+            "peft.method_type=LORA",
+        )
+    if peft_cfg.r < 1:
+        raise config_error("peft.r", peft_cfg.r, "must be >= 1", "peft.r=16")
+    if peft_cfg.lora_alpha is not None and peft_cfg.lora_alpha <= 0:
+        raise config_error(
+            "peft.lora_alpha", peft_cfg.lora_alpha, "must be > 0 (null: equal to peft.r, a scale of 1)",
+            "peft.lora_alpha=null",
+        )
+    if not 0.0 <= peft_cfg.dropout < 1.0:
+        raise config_error("peft.dropout", peft_cfg.dropout, "must be in [0, 1)", "peft.dropout=0.0")
+    if cfg.policy.path is None:
+        raise config_error(
+            "policy.path", None, f"peft.method_type={peft_cfg.method_type} fine-tunes a pretrained base, and none "
+            "is given", "policy.path=<run>/checkpoints/last/pretrained_model",
+        )
+    skeleton = _skeleton(cfg)
+    modules = dict(skeleton.named_modules())
+    inside_attention = {
+        f"{name}.{child}" if name else child
+        for name, module in modules.items() if isinstance(module, nn.MultiheadAttention)
+        for child, _ in module.named_modules() if child
+    }
+    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                        if isinstance(module, _LORA_TYPES) and name not in inside_attention})
+    targets = resolve_targets(peft_cfg, type(skeleton))
+    if not targets:
+        raise config_error(
+            "peft.target_modules", targets, f"{type(skeleton).__name__} declares no default LoRA targets",
+            f"peft.target_modules='[{adaptable[0]}]' (the policy has {adaptable})",
+        )
+    for target in targets:
+        matched = [name for name in modules if name and _matches(name, target)]
+        if not matched:
+            raise config_error(
+                "peft.target_modules", targets, f"{target!r} names no module of {type(skeleton).__name__}",
+                f"choose among its adaptable modules {adaptable}",
+            )
+        for name in matched:
+            _check_target(targets, target, name, modules[name], name in inside_attention, sharded, adaptable)
+    for module_name in peft_cfg.full_training_modules or []:
+        if not any(_matches(name, module_name) for name in modules if name):
+            names = sorted({name.rsplit(".", 1)[-1] for name in modules if name})
+            raise config_error(
+                "peft.full_training_modules", list(peft_cfg.full_training_modules or []),
+                f"{module_name!r} names no module of {type(skeleton).__name__}", f"choose among {names}",
+            )
+    pattern = cfg.accelerator.fsdp.ignored_modules
+    if sharded and pattern is not None:
+        regex = re.compile(pattern)
+        if not any(regex.fullmatch(PEFT_NAME_PREFIX + name) for name in modules if name):
+            raise config_error(
+                "accelerator.fsdp.ignored_modules", pattern,
+                f"matches no module of the PEFT model, whose module names begin with {PEFT_NAME_PREFIX!r} and "
+                "are matched whole", f"begin the pattern with '.*', e.g. accelerator.fsdp.ignored_modules='.*{pattern}'",
+            )
+
+
+def _check_target(targets: list[str], target: str, name: str, module: nn.Module, in_attention: bool,
+                  sharded: bool, adaptable: list[str]) -> None:
+    if in_attention:
+        raise config_error(
+            "peft.target_modules", targets,
+            f"{target!r} matches {name}, inside nn.MultiheadAttention, which reads its weight directly and never "
+            "calls it: the adapter would have no effect", f"choose among {adaptable}",
+        )
+    if not isinstance(module, _LORA_TYPES):
+        raise config_error(
+            "peft.target_modules", targets,
+            f"{target!r} matches {name}, a {type(module).__name__}; LoRA adapts Linear, Conv and Embedding layers",
+            f"choose among {adaptable}",
+        )
+    if sharded and isinstance(module, nn.MultiheadAttention):
+        raise config_error(
+            "peft.target_modules", targets,
+            f"{target!r} matches {name}, an nn.MultiheadAttention: peft's LoRA for it swaps parameters inside "
+            "forward, which FSDP2 cannot shard", f"choose among {adaptable}, or train unsharded",
+        )
+
+
+def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: str) -> PeftModel:
+    """The base frozen, LoRA adapters (fp32) on the targets, trainable copies of ``full_training_modules`` (in
+    the base's dtype). ``adapter_config.json`` will record ``base_path``, resolved."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=peft_cfg.r,
+        lora_alpha=peft_cfg.alpha(),  # always explicit: peft's default (8) would scale the adapter by 8 / r
+        lora_dropout=peft_cfg.dropout,
+        target_modules=resolve_targets(peft_cfg, type(policy)),
+        modules_to_save=list(peft_cfg.full_training_modules) if peft_cfg.full_training_modules else None,
+        bias="none",
+    )
+    model = get_peft_model(policy, config, adapter_name=ADAPTER_NAME)
+    # get_peft_model takes the name from the model (a transformers attribute our policies lack).
+    config.base_model_name_or_path = str(Path(base_path).resolve())
+    return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+@dataclass
+class AdapterWeights:
+    """What a PEFT run checkpoints: its trainable parameters, under the keys of adapter_model.safetensors.
+
+    ``key_of`` maps a parameter's FQN (as ``torch.distributed.checkpoint.state_dict`` names it, the same under
+    DDP and FSDP2) to its adapter key; peft itself computes the renaming (adapter name removed, full-training
+    copies under the original module's name), so a converted DCP checkpoint and a gathered one agree key for key.
+    """
+
+    model: nn.Module  # the PeftModel (before DDP / FSDP wrapping)
+    key_of: dict[str, str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> AdapterWeights | None:
+        """None for a model without PEFT (its checkpoints hold model.safetensors)."""
+        if not is_peft_model(model):
+            return None
+        from peft import get_peft_model_state_dict
+
+        names = [name for name, param in model.named_parameters() if param.requires_grad]
+        # Distinct placeholder tensors: peft renames and filters the dict, and identity says which went where.
+        placeholders = {name: torch.empty(0) for name in names}
+        renamed = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=ADAPTER_NAME)
+        name_of = {id(tensor): name for name, tensor in placeholders.items()}
+        key_of = {name_of[id(tensor)]: key for key, tensor in renamed.items()}
+        if sorted(key_of) != sorted(names) or len(set(key_of.values())) != len(key_of):
+            raise RuntimeError(f"peft's adapter state dict does not cover the trainable parameters one to one: "
+                               f"{sorted(set(names) - set(key_of))}")
+        return cls(model, key_of)
+
+    def to_adapter(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The trainable entries of a model state dict, under adapter keys."""
+        missing = sorted(set(self.key_of) - set(state_dict))
+        if missing:
+            raise RuntimeError(f"the state dict lacks trainable parameters {missing[:5]}")
+        return {self.key_of[name]: state_dict[name] for name in self.key_of}
+
+    def to_model(self, adapter_state: dict[str, Any], source: Path) -> dict[str, Any]:
+        """Adapter keys back to parameter FQNs; raises if ``source`` does not hold exactly this adapter."""
+        name_of = {key: name for name, key in self.key_of.items()}
+        if adapter_state.keys() != name_of.keys():
+            raise ValueError(
+                f"{source} does not hold this run's adapter: missing {sorted(name_of.keys() - adapter_state.keys())[:5]},"
+                f" unexpected {sorted(adapter_state.keys() - name_of.keys())[:5]}. Fix: resume with the peft.* "
+                "settings the checkpoint was saved with"
+            )
+        return {name_of[key]: value for key, value in adapter_state.items()}
+
+    def write_configs(self, directory: Path) -> None:
+        """config.json (the policy) and adapter_config.json (the LoRA settings and the base model path)."""
+        self.model.get_base_model().write_config(directory)
+        self.model.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
+
+    def write(self, directory: Path, adapter_state: dict[str, Tensor]) -> None:
+        """The configs and adapter_model.safetensors (``adapter_state`` is keyed like it); main process only."""
+        self.write_configs(directory)
+        save_file(safetensors_ready(adapter_state), str(Path(directory) / L.ADAPTER_SAFETENSORS),
+                  metadata={"format": "pt"})
+
+
+def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
+    """Base (from the path adapter_config.json records) + adapter, in eval mode. ``merge_adapter`` folds the
+    adapter into the base weights and returns the plain policy; otherwise the PeftModel (same outputs)."""
+    from lerobot_mg.peft.base import adapter_base_path
+    from lerobot_mg.policies.registry import load_policy
+    from peft import PeftModel
+
+    base_path = Path(adapter_base_path(directory))
+    if not base_path.is_dir():
+        raise ValueError(
+            f"{directory / L.ADAPTER_CONFIG_JSON} names the base model {base_path}, which does not exist. Fix: "
+            "restore the base checkpoint there, or edit base_model_name_or_path to where it now lives"
+        )
+    base = load_policy(base_path, map_location=map_location, merge_adapter=True)
+    model = PeftModel.from_pretrained(base, str(directory), adapter_name=ADAPTER_NAME, is_trainable=False)
+    model.to(map_location)
+    model.eval()
+    return model.merge_and_unload() if merge_adapter else model
