@@ -99,7 +99,9 @@ class CheckpointManager:
         collective under FSDP."""
         options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=self.adapter is not None)
         state = get_model_state_dict(model, options=options)
-        return self.adapter.to_adapter(state) if self.adapter is not None else state
+        if self.adapter is None or (full and not self.dims.is_main_process):  # a gather leaves other ranks empty
+            return state
+        return self.adapter.to_adapter(state)
 
     def _write_weights(self, policy: nn.Module, pretrained: Path, state: dict[str, Any]) -> None:
         if self.adapter is not None:
