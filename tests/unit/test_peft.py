@@ -1,0 +1,183 @@
+"""Fine-tuning pieces in one process: policy.path, the peft.* checks, LoRA wrapping, dtypes and adapter files.
+
+The distributed behaviour (FSDP2 / HSDP runs, checkpoints, resume, the converter) is in tests/dist/test_peft.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lerobot_mg.config.loading import apply_policy_path, to_train_config
+from lerobot_mg.config.validate import validate
+from lerobot_mg.config.schema import PeftConfig
+from lerobot_mg.distributed.wrap import select_wrap_units
+from lerobot_mg.peft.base import load_base_policy
+from lerobot_mg.peft.lora import AdapterWeights, wrap_with_lora
+from lerobot_mg.policies.act import ACTPolicy
+from lerobot_mg.policies.registry import load_policy
+from tests.unit.test_config import VALID, _compose, _train_config, _validation_error
+
+FEATURES_IN = {"observation.state": {"type": "STATE", "shape": [2]}}  # the PushT slice's
+FEATURES_OUT = {"action": {"type": "ACTION", "shape": [2]}}
+
+
+def _save_base(directory: Path, **changes: object) -> Path:
+    """A pretrained_model/ directory holding the pusht_debug ACT (with ``changes``), seeded."""
+    config = _train_config(VALID).policy
+    for name, value in changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    ACTPolicy(config, FEATURES_IN, FEATURES_OUT).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_base(tmp_path_factory.mktemp("base") / "pretrained_model")
+
+
+@pytest.fixture(scope="module")
+def bf16_base_dir(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = shutil.copytree(base_dir, tmp_path_factory.mktemp("bf16") / "pretrained_model")
+    weights = load_file(str(directory / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def _lora(base: Path, *extra: str) -> list[str]:
+    return [*VALID, f"policy.path={base}", "peft=lora", "peft.r=4", *extra]
+
+
+def test_policy_path_takes_the_base_config_and_keeps_command_line_overrides(tmp_path: Path) -> None:
+    base = _save_base(tmp_path / "pretrained_model", dim_feedforward=96, kl_weight=3.0)
+    overrides = [*VALID, f"policy.path={base}", "policy.kl_weight=0.5"]
+    composed = apply_policy_path(_compose(overrides), overrides)
+    policy = to_train_config(composed).policy
+    assert (policy.dim_feedforward, policy.kl_weight, policy.path) == (96, 0.5, str(base))
+    assert load_base_policy(policy, str(base)).model.encoder.layers[0].linear1.out_features == 96
+
+
+def test_lora_configs_validate(base_dir: Path) -> None:
+    validate(_train_config(_lora(base_dir, "peft.full_training_modules=[action_head]")), 1)
+    # A pattern that begins with .* matches the PEFT model's names.
+    validate(_train_config(_lora(base_dir, "parallelism.dp_shard=2",
+                                 "accelerator.fsdp.ignored_modules=.*model.action_head")), 2)
+
+
+@pytest.mark.parametrize(("extra", "world_size", "message"), [
+    (["peft.target_modules=[linear3]"], 1,
+     r"^peft.target_modules=\['linear3'\]: 'linear3' names no module of ACTPolicy. Fix: choose among its adaptable "
+     r"modules \[.*'linear1', 'linear2'.*\]$"),
+    (["peft.target_modules=[out_proj]"], 1, r"matches model\.\S+\.self_attn\.out_proj, inside nn.MultiheadAttention"),
+    (["peft.target_modules=[self_attn]", "parallelism.dp_shard=2"], 2, r"FSDP2 cannot shard"),
+    (["peft.full_training_modules=[head]"], 1,
+     r"^peft.full_training_modules=\['head'\]: 'head' names no module of ACTPolicy. Fix: choose among \[.*'action_head'"),
+    (["parallelism.dp_shard=2", "accelerator.fsdp.ignored_modules=model.action_head"], 2,
+     r"^accelerator.fsdp.ignored_modules='model.action_head': matches no module of the PEFT model, whose module "
+     r"names begin with 'base_model.model.' .* Fix: begin the pattern with '.\*', e.g. "
+     r"accelerator.fsdp.ignored_modules='.\*model.action_head'$"),
+    (["peft.method_type=IA3"], 1, r"^peft.method_type='IA3': must be one of \('LORA',\)"),
+    (["peft.lora_alpha=0"], 1, r"^peft.lora_alpha=0.0: must be > 0"),
+    (["peft.r=0"], 1, r"^peft.r=0: must be >= 1"),
+])
+def test_peft_errors_name_key_value_and_fix(base_dir: Path, extra: list[str], world_size: int, message: str) -> None:
+    error = _validation_error(_lora(base_dir, *extra), world_size)
+    assert re.search(message, error), error
+
+
+def test_peft_needs_a_base(tmp_path: Path) -> None:
+    assert _validation_error([*VALID, "peft=lora"]) == (
+        "policy.path=None: peft.method_type=LORA fine-tunes a pretrained base, and none is given. Fix: "
+        "policy.path=<run>/checkpoints/last/pretrained_model"
+    )
+
+
+def test_dcp_only_policy_path_names_the_converter(base_dir: Path, tmp_path: Path) -> None:
+    dcp_only = shutil.copytree(base_dir, tmp_path / "pretrained_model")
+    (dcp_only / "model.safetensors").unlink()
+    (dcp_only / "pytorch_model_fsdp_0").mkdir()
+    error = _validation_error([*VALID, f"policy.path={dcp_only}"])
+    assert error.startswith(f"policy.path={str(dcp_only)!r}: holds DCP shards only (pytorch_model_fsdp_0/")
+    assert error.endswith(f"Fix: lerobot-mg-convert-dcp checkpoint_dir={dcp_only}, then rerun with the same policy.path")
+
+
+def test_bf16_base_under_sharding_needs_mixed_precision(bf16_base_dir: Path) -> None:
+    sharded = _lora(bf16_base_dir, "parallelism.dp_shard=2")
+    error = _validation_error(sharded, 2)
+    assert error.startswith("accelerator.mixed_precision='no': the base at policy.path is stored in bfloat16")
+    assert error.endswith("Fix: accelerator.mixed_precision=bf16")
+    validate(_train_config([*sharded, "accelerator.mixed_precision=bf16"]), 2)  # the fix works
+    validate(_train_config(_lora(bf16_base_dir)), 1)  # one process: no FSDP2 unit to keep uniform
+
+
+def _wrapped(base: Path, **peft: object) -> torch.nn.Module:
+    cfg = _train_config(_lora(base))
+    return wrap_with_lora(load_base_policy(cfg.policy, str(base)), PeftConfig(method_type="LORA", **peft), str(base))
+
+
+def test_missing_alpha_means_scale_one_never_peft_default(base_dir: Path) -> None:
+    from peft import LoraConfig
+
+    model = _wrapped(base_dir, r=4)
+    layer = model.base_model.model.model.encoder.layers[0].linear1
+    assert layer.scaling["default"] == 1.0 and model.peft_config["default"].lora_alpha == 4.0
+    assert LoraConfig(r=4).lora_alpha / 4 == 2.0  # what leaving alpha to peft would have done
+    assert _wrapped(base_dir, r=4, lora_alpha=8).base_model.model.model.encoder.layers[0].linear1.scaling[
+        "default"] == 2.0
+
+
+def test_dtypes_of_a_bf16_base(bf16_base_dir: Path) -> None:
+    """As the guide says: adapters fp32, full-training copies in the base dtype, the frozen base untouched."""
+    model = _wrapped(bf16_base_dir, r=4, full_training_modules=["action_head"])
+    trainable = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    frozen = {name: p.dtype for name, p in model.named_parameters() if not p.requires_grad}
+    assert {d for n, d in trainable.items() if "lora_" in n} == {torch.float32}
+    assert {d for n, d in trainable.items() if "modules_to_save" in n} == {torch.bfloat16}
+    assert all("lora_" in n or "modules_to_save" in n for n in trainable)
+    assert set(frozen.values()) == {torch.bfloat16} and any(n.endswith("original_module.weight") for n in frozen)
+
+
+def test_wrap_units_are_found_inside_the_peft_model(base_dir: Path) -> None:
+    units, rule = select_wrap_units(_wrapped(base_dir, r=4), None, None)
+    assert rule == "ACTPolicy._fsdp_wrap_modules=['ACTEncoderLayer', 'ACTDecoderLayer']"
+    assert {name for name, _ in units} == {
+        "base_model.model.model.encoder.layers.0", "base_model.model.model.encoder.layers.1",
+        "base_model.model.model.decoder.layers.0", "base_model.model.model.vae_encoder.layers.0",
+        "base_model.model.model.vae_encoder.layers.1",
+    }
+
+
+def test_adapter_file_has_peft_keys_and_loads_merged_or_not(base_dir: Path, tmp_path: Path) -> None:
+    from peft import get_peft_model_state_dict
+
+    model = _wrapped(base_dir, r=4, full_training_modules=["action_head"])
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if param.requires_grad:  # lora_B starts at zero: move every trainable weight so the adapter matters
+            param.data.add_(0.1 * torch.randn_like(param))
+    adapter = AdapterWeights.of(model)
+    expected = get_peft_model_state_dict(model)
+    written = adapter.to_adapter(model.state_dict())
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+    assert adapter.to_model(written, tmp_path).keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+
+    adapter.write(tmp_path, written)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(base_dir.resolve()) and saved["lora_alpha"] == 4.0
+    assert json.loads((tmp_path / "config.json").read_text())["path"] == str(base_dir)
+
+    batch = {"observation.state": torch.randn(3, 2)}
+    model.eval()
+    merged, unmerged = load_policy(tmp_path), load_policy(tmp_path, merge_adapter=False)
+    assert type(merged) is ACTPolicy and type(unmerged).__name__ == "PeftModel"
+    want = model.predict_action_chunk(batch)
+    torch.testing.assert_close(merged.predict_action_chunk(batch), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unmerged.predict_action_chunk(batch), want, rtol=0, atol=0)
+    assert (load_policy(base_dir).predict_action_chunk(batch) - want).abs().max() > 1e-3  # the adapter matters
