@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lerobot_mg.config.loading import apply_policy_path, to_train_config
-from lerobot_mg.config.validate import validate
 from lerobot_mg.config.schema import PeftConfig
+from lerobot_mg.config.validate import validate
 from lerobot_mg.distributed.wrap import select_wrap_units
 from lerobot_mg.peft.base import load_base_policy
 from lerobot_mg.peft.lora import AdapterWeights, wrap_with_lora
@@ -159,7 +159,7 @@ def test_adapter_file_has_peft_keys_and_loads_merged_or_not(base_dir: Path, tmp_
 
     model = _wrapped(base_dir, r=4, full_training_modules=["action_head"])
     torch.manual_seed(1)
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:  # lora_B starts at zero: move every trainable weight so the adapter matters
             param.data.add_(0.1 * torch.randn_like(param))
     adapter = AdapterWeights.of(model)
