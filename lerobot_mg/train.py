@@ -236,7 +236,7 @@ def _print_banner(cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithme
         f"  steps: {cfg.steps} loop steps = {arithmetic.sample_presentations(cfg.steps)} sample presentations, "
         f"{arithmetic.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
         f"  precision: {cfg.accelerator.mixed_precision}  checkpoint format: {cfg.checkpoint.format}",
-        f"  policy: {cfg.policy.type} ({num_params / 1e6:.2f}M params, {num_trainable / 1e6:.2f}M trainable = "
+        f"  policy: {cfg.policy.type} ({num_params:,} params, {num_trainable:,} trainable = "
         f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} "
         f"({len(dataset)} frames, {dataset.num_episodes} episodes)",
         f"  parameter MiB per rank: [{per_rank}]",
