@@ -63,7 +63,9 @@ class FSDPConfig:
     min_num_params: int | None = None  # or: wrap every non-container submodule above this many parameters
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    ignored_modules: str | None = None  # regex of module paths kept unsharded
+    # Regex matched against whole module paths, kept unsharded. Under PEFT the paths begin with `base_model.model.`:
+    # begin the pattern with `.*`.
+    ignored_modules: str | None = None
     mixed_precision_policy: MixedPrecisionPolicyConfig = field(default_factory=MixedPrecisionPolicyConfig)
 
 

@@ -80,6 +80,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n_video_episodes", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write the full report (per-episode results) as JSON here")
+    parser.add_argument(
+        "--keep_adapter", action="store_true",
+        help="a PEFT checkpoint: run base + adapter as the peft model instead of merging the adapter into the weights",
+    )
     args = parser.parse_args(argv)
 
     from lerobot_mg.sim.evaluate import evaluate_expert, evaluate_policy
@@ -98,6 +102,7 @@ def eval_main(argv: list[str] | None = None) -> int:
                 max_steps=args.max_steps,
                 device=args.device,
                 n_video_episodes=args.n_video_episodes,
+                merge_adapter=not args.keep_adapter,
             )
     except (ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -52,9 +52,12 @@ class Controller(Protocol):
 
 
 class PolicyController:
-    """Runs a saved policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor."""
+    """Runs a saved policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor.
 
-    def __init__(self, pretrained_dir: Path, device: str = "cpu") -> None:
+    A PEFT checkpoint runs as base + adapter: merged into the weights by default, or as the peft model
+    (``merge_adapter=False``), which gives the same actions up to float rounding."""
+
+    def __init__(self, pretrained_dir: Path, device: str = "cpu", merge_adapter: bool = True) -> None:
         import torch
 
         from lerobot_mg.policies.registry import load_policy
@@ -62,7 +65,7 @@ class PolicyController:
 
         self._torch = torch
         self.device = torch.device(device)
-        self.policy = load_policy(pretrained_dir, map_location=str(self.device))
+        self.policy = load_policy(pretrained_dir, map_location=str(self.device), merge_adapter=merge_adapter)
         self.preprocessor = PolicyProcessorPipeline.from_pretrained(pretrained_dir, "policy_preprocessor").to(
             self.device
         )
@@ -135,6 +138,7 @@ def evaluate_policy(
     max_steps: int = EPISODE_LENGTH,
     device: str = "cpu",
     n_video_episodes: int = 3,
+    merge_adapter: bool = True,
 ) -> dict[str, Any]:
     """Rolls out the policy saved in ``pretrained_dir`` on seeds ``seed_start .. seed_start+n_episodes-1``.
 
@@ -147,7 +151,7 @@ def evaluate_policy(
         raise ValueError(
             f"pretrained_dir={str(pretrained_dir)!r} is not a directory; pass a `pretrained_model` dir."
         )
-    controller = PolicyController(pretrained_dir, device=device)
+    controller = PolicyController(pretrained_dir, device=device, merge_adapter=merge_adapter)
     return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes)
 
 

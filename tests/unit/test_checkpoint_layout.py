@@ -240,7 +240,7 @@ def test_refuses_missing_optimizer_shards(step_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("removed", "message"),
     [
-        (["pretrained_model/model.safetensors"], r"holds neither model.safetensors nor pytorch_model_fsdp_0/"),
+        (["pretrained_model/model.safetensors"], r"holds none of model.safetensors, adapter_model.safetensors, pytorch_model_fsdp_0/: no weights"),
         (["training_state/optimizer_state.safetensors"], r"holds no optimizer state \(optimizer_state.safetensors or "
                                                          r"optimizer_0/\)"),
         (["training_state/optimizer_param_groups.json"], r"optimizer_param_groups.json is missing"),

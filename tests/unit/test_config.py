@@ -22,6 +22,7 @@ from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
+from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from tests.launch_utils import PUSHT_SLICE
 
 # A valid run: the debug experiment on the real PushT slice.
@@ -80,6 +81,7 @@ def test_presets_cover_every_group() -> None:
         "parallelism",
         "accelerator",
         "policy",
+        "peft",
         "checkpoint",
         "dataset",
         "optimizer",
@@ -91,8 +93,14 @@ def test_presets_cover_every_group() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), PRESETS, ids=[f"{g}={o}" for g, o in PRESETS])
-def test_every_preset_composes_into_the_schema_and_validates(group: str, option: str) -> None:
+def test_every_preset_composes_into_the_schema_and_validates(group: str, option: str, tmp_path: Path) -> None:
     world_size, extra = LAUNCH_FOR.get((group, option), (1, []))
+    if (group, option) == ("peft", "lora"):  # LoRA fine-tunes a base: give it a (tiny) one
+        policy = ACTPolicy(ACTConfig(chunk_size=10, n_action_steps=10, dim_model=16, n_heads=2, dim_feedforward=32),
+                           {"observation.state": {"type": "STATE", "shape": [2]}},
+                           {"action": {"type": "ACTION", "shape": [2]}})
+        policy.save_pretrained(tmp_path / "pretrained_model")
+        extra = [*extra, f"policy.path={tmp_path / 'pretrained_model'}"]
     # The dataset root is replaced by the PushT slice so that the validation below finds a real dataset.
     composed = _compose([f"{group}={option}", *extra, f"dataset.root={PUSHT_SLICE}"])
     preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"), resolve=True)
