@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim-model", type=int, default=256)
     parser.add_argument("--r", type=int, default=16)
-    parser.add_argument("--dir", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="keep the runs under this directory (default: a temporary directory, removed)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "bench_peft.json")
     args = parser.parse_args()
 
@@ -89,6 +91,8 @@ def main() -> None:
         verdict = "ok" if value <= goal else "over the goal"
         print(f"{name:<52}{value:8.3f}   goal <= {goal:.2f}  {verdict}  ({division})")
     results = [{"name": name, "value": value, "goal": goal, "unit": "ratio"} for name, value, goal, _ in measured]
+    if args.dir is None:
+        shutil.rmtree(root)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

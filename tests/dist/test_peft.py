@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
@@ -239,6 +239,14 @@ def test_resume_reshards_hsdp_shards_to_one_process(lora_run, tmp_path: Path) ->
         torch.testing.assert_close(resumed.adapter()[key], tensor, rtol=0, atol=WEIGHT_ATOL)
 
 
+def test_resume_distributes_a_one_process_adapter_file_to_fsdp2(lora_run, tmp_path: Path) -> None:  # noqa: ANN001
+    resumed = _resume(lora_run("single"), tmp_path / "sharded", SAVE_FREQ,
+                      ["parallelism.dp_shard=2", "checkpoint.format=safetensors_dcp", "batch_size=4"], nproc=2)
+    assert "Resuming on a new topology" in resumed.stdout
+    for key, tensor in lora_run("fsdp2").adapter().items():
+        torch.testing.assert_close(resumed.adapter()[key], tensor, rtol=0, atol=WEIGHT_ATOL)
+
+
 def test_plain_fine_tuning_starts_from_the_base(bases: Bases, tmp_path: Path) -> None:
     proc = run_train([*TINY_RUN, "steps=2", "log_freq=1", f"policy.path={bases.gathered}",
                       f"output_dir={tmp_path / 'run'}"], timeout=180)
@@ -261,3 +269,31 @@ def test_dcp_only_base_fails_before_start_naming_the_converter(bases: Bases, tmp
             "a checkpoint.format=dcp checkpoint), which load only after conversion. Fix: lerobot-mg-convert-dcp "
             f"checkpoint_dir={dcp_only}, then rerun with the same policy.path") in proc.stdout.splitlines()
     assert not (tmp_path / "run").exists()
+
+
+def test_bf16_base_under_fsdp_needs_mixed_precision_and_trains_with_it(bases: Bases, tmp_path: Path) -> None:
+    """The guide's dtype rule: fp32 adapters beside bf16 full-training copies cannot share an FSDP2 unit, so a bf16
+    base under sharding stops at start-up without mixed precision; with it, every trainable parameter is upcast."""
+    bf16_base = tmp_path / "bf16" / "pretrained_model"
+    shutil.copytree(bases.gathered, bf16_base, ignore=shutil.ignore_patterns(L.MODEL_DCP_DIR))
+    weights = load_file(str(bf16_base / L.MODEL_SAFETENSORS))
+    save_file({key: tensor.to(torch.bfloat16) for key, tensor in weights.items()}, str(bf16_base / L.MODEL_SAFETENSORS))
+    sharded = [*LORA, "steps=2", f"policy.path={bf16_base}", "parallelism.dp_shard=2", "batch_size=4"]
+
+    refused = run_train([*sharded, f"output_dir={tmp_path / 'refused'}"], nproc=2, check=False, timeout=120,
+                        env={"HYDRA_FULL_ERROR": "0"})
+    assert refused.returncode != 0
+    assert ("lerobot-mg-train: error: accelerator.mixed_precision='no': the base at policy.path is stored in "
+            "bfloat16") in refused.stdout and "Fix: accelerator.mixed_precision=bf16" in refused.stdout
+
+    run = run_train([*sharded, "accelerator.mixed_precision=bf16", f"output_dir={tmp_path / 'run'}"], nproc=2,
+                    timeout=240)
+    adapter = load_file(str(L.checkpoints_root(tmp_path / "run") / L.LAST_LINK / L.PRETRAINED_MODEL_DIR
+                            / L.ADAPTER_SAFETENSORS))
+    assert {tensor.dtype for tensor in adapter.values()} == {torch.float32}  # the full-training copy too
+    assert {key for key in adapter if "action_head" in key} == {"base_model.model.model.action_head.weight",
+                                                               "base_model.model.model.action_head.bias"}
+    base_bytes = sum(tensor.numel() * 2 for tensor in weights.values())
+    assert "precision: bf16" in run.stdout
+    per_rank = json.loads((tmp_path / "run" / "rank_bytes.json").read_text())
+    assert all(held["parameters"] < 0.6 * base_bytes for held in per_rank), (per_rank, base_bytes)
