@@ -104,11 +104,12 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
 
 def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
-    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does."""
+    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does. The path
+    is made absolute (``last`` resolved to its step), so a resume from another directory finds the same base."""
     from lerobot_mg.peft.base import check_policy_path, read_policy_config
 
-    path = str(composed.policy.path)
-    check_policy_path(path)
+    check_policy_path(str(composed.policy.path))
+    path = str(Path(composed.policy.path).resolve())
     kept = {
         key: OmegaConf.select(composed, key) for key in override_keys(overrides)
         if key.startswith("policy.") and key != "policy.path"

@@ -24,8 +24,6 @@ from lerobot_mg.policies.registry import get_policy_class, load_policy
 
 # config.json keys that describe the saved policy's data rather than its hyper-parameters.
 _FEATURE_KEYS = ("input_features", "output_features")
-
-
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 

@@ -1,6 +1,6 @@
 """Fine-tuning pieces in one process: policy.path, the peft.* checks, LoRA wrapping, dtypes and adapter files.
 
-The distributed behaviour (FSDP2 / HSDP runs, checkpoints, resume, the converter) is in tests/dist/test_peft.py.
+The distributed behaviour (FSDP2 / HSDP runs, checkpoints, resume, the converter) is in tests/dist/test_peft_runs.py.
 """
 
 from __future__ import annotations
