@@ -64,7 +64,7 @@ def _digest(path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> Bases:
-    gathered = L.checkpoints_root(reference_run(tmp_path_factory.getbasetemp(), "fsdp2")) / "000010" / "pretrained_model"
+    gathered = L.checkpoints_root(reference_run(tmp_path_factory, "fsdp2")) / "000010" / "pretrained_model"
     converted = shutil.copytree(gathered, tmp_path_factory.mktemp("converted_base") / "pretrained_model")
     (converted / L.MODEL_SAFETENSORS).unlink()
     return Bases(gathered, converted, _digest(gathered / L.MODEL_SAFETENSORS))

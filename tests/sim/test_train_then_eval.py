@@ -49,8 +49,9 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
     # LoRA on that checkpoint, then the same command on the adapter checkpoint (base + adapter, merged; the unmerged
     # peft model gives the same actions: tests/unit/test_peft.py).
     lora_dir = tmp_path / "lora"
-    run_train(["experiment=aloha_state", f"policy.path={pretrained}", "peft=lora", "peft.r=4", f"dataset.root={root}", f"output_dir={lora_dir}",
-               "steps=2", "log_freq=1", "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=400)
+    run_train(["experiment=aloha_state", f"policy.path={pretrained}", "peft=lora", "peft.r=4", f"dataset.root={root}",
+               f"output_dir={lora_dir}", "steps=2", "log_freq=1", "logging.progress_bar=false",
+               "logging.wandb.mode=disabled"], timeout=400)
     adapter_dir = lora_dir / "checkpoints" / "last" / "pretrained_model"
     assert (adapter_dir / "adapter_model.safetensors").is_file() and not (adapter_dir / "model.safetensors").exists()
     cmd = [sys.executable, str(REPO / "scripts" / "eval.py"), "--policy_path", str(adapter_dir), "--n_episodes", "1",
