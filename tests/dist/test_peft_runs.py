@@ -235,13 +235,6 @@ def test_resume_reshards_hsdp_shards_to_one_process(lora_run, tmp_path: Path) ->
     assert_same_weights(resumed.adapter(), lora_run("single").adapter(), STEPS, LR)
 
 
-def test_resume_distributes_a_one_process_adapter_file_to_fsdp2(lora_run, tmp_path: Path) -> None:  # noqa: ANN001
-    resumed = _resume(lora_run("single"), tmp_path / "sharded", SAVE_FREQ,
-                      ["parallelism.dp_shard=2", "checkpoint.format=safetensors_dcp", "batch_size=4"], nproc=2)
-    assert "Resuming on a new topology" in resumed.stdout
-    assert_same_weights(resumed.adapter(), lora_run("fsdp2").adapter(), STEPS, LR)
-
-
 def test_plain_fine_tuning_starts_from_the_base(bases: Bases, tmp_path: Path) -> None:
     proc = run_train([*TINY_RUN, "steps=2", "log_freq=1", f"policy.path={bases.gathered}",
                       f"output_dir={tmp_path / 'run'}"], timeout=180)
