@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup train train-image test test-fast bench lint clean-outputs
+.PHONY: setup train train-image test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
 # torch first: `pip install torch==2.13.0` takes the CPU build that lies on disk here; a plain `torch` requirement
 # on a machine without torch would pull a multi-GB CUDA build. The package's own `torch>=2.6` is then satisfied.
@@ -45,6 +45,14 @@ bench: setup
 
 lint: setup
 	$(PY) -m ruff check lerobot_mg scripts tests
+
+# A real 2-node SLURM cluster on this machine (root; installs Debian's slurm + munge where missing; idempotent), to
+# try `-m hydra/launcher=slurm` before a real cluster. The SLURM tests use it (in CI they fail without it).
+slurm-local:
+	scripts/slurm_local.sh start
+
+slurm-local-stop:
+	scripts/slurm_local.sh stop
 
 clean-outputs:
 	rm -rf outputs/train outputs/multirun outputs/compare

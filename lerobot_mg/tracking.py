@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lerobot_mg.accounting.ledger import BatchArithmetic, RunLedger, sample_digest
+from lerobot_mg.accounting.ledger import BatchArithmetic, ResumeCause, RunLedger, sample_digest
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.metrics import IntervalMetrics, MetricsLogger
@@ -38,7 +38,7 @@ class RunTracker:
         self.ledger = RunLedger(output_dir, dims.is_main_process)
         self.metrics_log = MetricsLogger(
             output_dir, dims.is_main_process, cfg.logging.wandb.mode, cfg.logging.wandb.project,
-            cfg.logging.wandb.entity, f"{cfg.job_name}-{output_dir.name}", train_config,
+            cfg.logging.wandb.entity, cfg.logging.wandb.group, f"{cfg.job_name}-{output_dir.name}", train_config,
         )
         self.interval = IntervalMetrics(dims, device)
         self.last_metrics: dict[str, float] = {"loss": math.nan}
@@ -52,7 +52,7 @@ class RunTracker:
         self._start = time.perf_counter()
 
     def record_start(self, resumed_from: Path | None, run_facts: dict, continuation: str | None,
-                     model: dict[str, Any]) -> None:
+                     model: dict[str, Any], resume_cause: ResumeCause | None) -> None:
         p, cfg = self.progress, self.cfg
         self.ledger.record_start(
             kind="resume" if resumed_from else "start", loop_step=p.step, samples_seen=p.samples_seen,
@@ -62,6 +62,7 @@ class RunTracker:
             checkpoint_format=cfg.checkpoint.format, resumed_from=str(resumed_from) if resumed_from else None,
             lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
             model=model,
+            resume_cause=resume_cause,
         )
 
     def step_done(self, logs: StepLogs, epoch: int, offset: int) -> None:

@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from lerobot_mg.accounting.ledger import BatchArithmetic
+from lerobot_mg.accounting.ledger import BatchArithmetic, ResumeCause
 from lerobot_mg.accounting.revision import code_revision
 from lerobot_mg.checkpoint import layout
 from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_resumable
@@ -28,7 +28,11 @@ from lerobot_mg.distributed.accelerator import (
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.distributed.memory import gather_rank_bytes
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.launch.placement import record_placement
+from lerobot_mg.launch.preemption import PreemptionWatch
 from lerobot_mg.launch.run_dir import agree_on_output_dir
+from lerobot_mg.launch.run_state import attach_run_log, releases_run_state
+from lerobot_mg.launch.sweep import SweepJob
 from lerobot_mg.optim import make_optimizer, make_scheduler
 from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
 from lerobot_mg.peft.lora import AdapterWeights
@@ -39,7 +43,8 @@ from lerobot_mg.tracking import Progress, RunTracker
 logger = logging.getLogger("lerobot_mg.train")
 
 
-def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any]:
+@releases_run_state  # a local sweep calls train() once per point in one process: each call cleans up after itself
+def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: SweepJob | None = None) -> dict[str, Any]:
     check_accelerate_env()
     world_size, rank, local_rank = launch_world()
     validate(cfg, world_size)
@@ -57,8 +62,12 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
     output_dir = (
         layout.run_dir_from_checkpoint(resume_dir)
         if resume_dir is not None
-        else agree_on_output_dir(cfg.output_dir, cfg.job_name, dims.is_main_process, dims.is_distributed)
+        else agree_on_output_dir(str(sweep_job.run_dir) if sweep_job else cfg.output_dir, cfg.job_name,
+                                 dims.is_main_process, dims.is_distributed)
     )
+    attach_run_log(output_dir, dims.is_main_process)
+    record_placement(accelerator, dims, output_dir)  # collective
+    preemption = PreemptionWatch(dims, accelerator.device, cfg.accelerator.gradient_accumulation.steps)
     arithmetic = BatchArithmetic(cfg.batch_size, dims.dp_world_size, cfg.accelerator.gradient_accumulation.steps)
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: _derived(arithmetic, dims)}
     if dims.is_main_process:
@@ -98,7 +107,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
 
     tracker = RunTracker(cfg, dims, arithmetic, sampler, output_dir, train_config, progress, accelerator.device)
-    tracker.record_start(resume_dir, run_facts, continuation, finetune)
+    resume_cause = (sweep_job.resume_cause if sweep_job else ResumeCause.REQUESTED) if resume_dir else None
+    tracker.record_start(resume_dir, run_facts, continuation, finetune, resume_cause)
     _print_banner(cfg, dims, arithmetic, finetune, dataset, output_dir, progress, continuation)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg, dims)
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
@@ -109,9 +119,15 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None) -> dict[str, Any
         batch = next(batches)
         sampler.advance()
         tracker.step_done(stepper.step(batch), epoch, offset)  # collective on log steps
-        if cfg.checkpoint.save_checkpoint and (progress.step % cfg.checkpoint.save_freq == 0 or progress.step == cfg.steps):
+        preempted = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
+        if cfg.checkpoint.save_checkpoint and (
+            preempted or progress.step % cfg.checkpoint.save_freq == 0 or progress.step == cfg.steps
+        ):
             save_items.training_step = _training_step_record(progress, sampler, cfg, dims, arithmetic, run_facts)
             checkpoints.save(progress.step, model, optimizer, save_items)  # collective
+        if preempted:
+            tracker.close()
+            preemption.requeue(output_dir, progress.step)  # does not return; the requeued job resumes from here
 
     rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
     tracker.close()

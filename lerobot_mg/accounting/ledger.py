@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -34,6 +35,15 @@ import numpy as np
 
 LEDGER_FILENAME = "ledger.jsonl"
 START_KINDS = ("start", "resume")
+
+
+class ResumeCause(Enum):
+    """Why a run resumed (start records of kind "resume")."""
+
+    REQUESTED = "requested"  # resume=true config_path=... on the command line
+    PREEMPTION = "preemption"  # the last attempt saved on the preemption/time-limit signal; the job was requeued
+    REQUEUE = "requeue"  # SLURM restarted the job (node failure, scontrol requeue) from its last periodic checkpoint
+    RELAUNCH = "relaunch"  # the same sweep job directory was launched again
 _DIGEST_SIZE_BYTES = 8
 
 
@@ -159,6 +169,7 @@ class RunLedger:
         lr_schedule: dict,
         sampler_continuation: str | None,
         model: dict[str, Any] | None = None,
+        resume_cause: ResumeCause | None = None,
     ) -> None:
         """Record one start ("start") or resume ("resume"); the counters are those the run starts from. ``model``:
         total and trainable parameters, the base model path and PEFT settings, parameter bytes per rank."""
@@ -186,6 +197,7 @@ class RunLedger:
                 "lr_schedule": lr_schedule,
                 "sampler_continuation": sampler_continuation,
                 "model": model,
+                "resume_cause": resume_cause.value if resume_cause is not None else None,
             }
         )
 
@@ -291,6 +303,7 @@ class StartRecord:
     resumed_from: str | None
     lr_schedule: dict
     sampler_continuation: str | None
+    resume_cause: ResumeCause | None = None
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> StartRecord:
@@ -314,6 +327,7 @@ class StartRecord:
             resumed_from=record["resumed_from"],
             lr_schedule=dict(record["lr_schedule"]),
             sampler_continuation=record["sampler_continuation"],
+            resume_cause=ResumeCause(record["resume_cause"]) if record.get("resume_cause") else None,
         )
 
 

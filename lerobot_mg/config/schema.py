@@ -75,6 +75,11 @@ class AcceleratorConfig:
     gradient_accumulation: GradientAccumulationConfig = field(default_factory=GradientAccumulationConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cpu: bool = False  # train on the CPU even when a GPU is visible
+    # How long a collective waits for the slowest rank before the run fails (torch's default: 30 min on gloo, 10 on
+    # NCCL). It bounds a hung rank; a dead one is noticed sooner (peers' connections drop, and srun
+    # --kill-on-bad-exit / torchrun stop the other ranks). Above the longest legitimate wait: rank 0 writing the
+    # gathered checkpoint while the others wait at the barrier.
+    process_group_timeout_s: int = 600
 
 
 @dataclass
@@ -140,6 +145,7 @@ class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "lerobot_mg"
     entity: str | None = None
+    group: str | None = None  # runs of one group show together; a sweep sets it to the sweep's name
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +26,11 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 def config_error(key: str, value: object, problem: str, fix: str) -> ValueError:
     return ValueError(f"{key}={value!r}: {problem}. Fix: {fix}")
+
+
+def report_user_error(error: ValueError) -> None:
+    """The one line a user error prints (the command then exits with status 2)."""
+    print(f"lerobot-mg-train: error: {error}", file=sys.stderr, flush=True)
 
 
 def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int, int]:
@@ -100,6 +106,11 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
         raise config_error(
             "accelerator.gradient_accumulation.steps", acc.gradient_accumulation.steps, "must be >= 1",
             "accelerator.gradient_accumulation.steps=1",
+        )
+    if acc.process_group_timeout_s < 1:
+        raise config_error(
+            "accelerator.process_group_timeout_s", acc.process_group_timeout_s, "must be >= 1 second",
+            "accelerator.process_group_timeout_s=600",
         )
     fsdp = acc.fsdp
     if not sharded:
@@ -300,3 +311,57 @@ def _validate_resume_and_output(cfg: TrainConfig) -> None:
                 "a new output_dir, or resume=true config_path=<output_dir>/checkpoints/last/pretrained_model/"
                 "train_config.json",
             )
+
+
+def check_sweep_point(output_dir: str | None, resume: bool) -> None:
+    """A point of a Hydra multirun gets its own run directory, <sweep dir>/<job number>, and resumes it by itself."""
+    if output_dir is not None:
+        raise config_error(
+            "output_dir", output_dir,
+            "is set in a sweep (-m): every point would write into it; each point runs in <hydra.sweep.dir>/<job number>",
+            "remove output_dir, and choose where the sweep goes with hydra.sweep.dir=<dir>",
+        )
+    if resume:
+        raise config_error(
+            "resume", True,
+            "in a sweep (-m) every point would continue the same run; a sweep job resumes its own directory by itself",
+            "resume one run at a time, without -m",
+        )
+
+
+def check_slurm_job(dp_replicate: int, dp_shard: int, nodes: int, tasks_per_node: int,
+                    gpus_per_node: int | None) -> int:
+    """The ranks of one SLURM job (``nodes x tasks_per_node``) against the parallel layout, before submission;
+    returns the world size."""
+    if nodes < 1:
+        raise config_error("hydra.launcher.nodes", nodes, "must be >= 1", "hydra.launcher.nodes=1")
+    if tasks_per_node < 1:
+        raise config_error(
+            "hydra.launcher.tasks_per_node", tasks_per_node,
+            "must be >= 1: it is the number of ranks per node (it follows hydra.launcher.gpus_per_node, which is 0 "
+            "on a CPU cluster)",
+            "hydra.launcher.tasks_per_node=<ranks per node>",
+        )
+    if gpus_per_node and tasks_per_node != gpus_per_node:
+        raise config_error(
+            "hydra.launcher.tasks_per_node", tasks_per_node,
+            f"must equal hydra.launcher.gpus_per_node={gpus_per_node}: one rank per GPU",
+            f"hydra.launcher.tasks_per_node={gpus_per_node}",
+        )
+    world_size = nodes * tasks_per_node
+    degrees_fixed = dp_shard != -1 and not (dp_replicate == 1 and dp_shard == 1)
+    if degrees_fixed and dp_replicate >= 1 and dp_shard >= 1 and dp_replicate * dp_shard != world_size:
+        wanted = dp_replicate * dp_shard
+        fixes = []
+        if wanted % tasks_per_node == 0:
+            fixes.append(f"hydra.launcher.nodes={wanted // tasks_per_node}")
+        if world_size % dp_replicate == 0:
+            fixes.append(f"parallelism.dp_shard={world_size // dp_replicate}")
+        raise config_error(
+            "parallelism", {"dp_replicate": dp_replicate, "dp_shard": dp_shard},
+            f"dp_replicate x dp_shard = {wanted} but the SLURM job has hydra.launcher.nodes x "
+            f"hydra.launcher.tasks_per_node = {nodes} x {tasks_per_node} = {world_size} ranks",
+            " or ".join(fixes) or f"hydra.launcher.nodes and hydra.launcher.tasks_per_node giving {wanted} ranks",
+        )
+    resolve_dp_degrees(dp_replicate, dp_shard, world_size)
+    return world_size

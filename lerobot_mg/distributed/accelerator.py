@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
@@ -83,6 +84,9 @@ def _mixed_precision_policy(acc_cfg: AcceleratorConfig):
 def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Accelerator:
     """One Accelerator for the layout of ``dims``. Collective: every rank must call it."""
     cpu = use_cpu(acc_cfg)
+    # The process group is created here, with our timeout: accelerate's InitProcessGroupKwargs passes on only values
+    # that differ from its own defaults, so 600 s would silently become gloo's 30 minutes.
+    PartialState(cpu=cpu, timeout=timedelta(seconds=acc_cfg.process_group_timeout_s))
     fsdp_plugin = None
     parallelism_config = None
     if dims.is_sharded:

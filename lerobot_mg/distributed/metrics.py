@@ -60,7 +60,7 @@ class MetricsLogger:
     """Main-process sink: one JSON line per log step in ``metrics.jsonl`` and, unless disabled, wandb."""
 
     def __init__(self, output_dir: Path, is_main: bool, wandb_mode: str, wandb_project: str,
-                 wandb_entity: str | None, run_name: str, config: dict[str, Any]):
+                 wandb_entity: str | None, wandb_group: str | None, run_name: str, config: dict[str, Any]):
         self.is_main = is_main
         self._file = None
         self._wandb = None
@@ -71,7 +71,7 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(
-                mode=wandb_mode, project=wandb_project, entity=wandb_entity, name=run_name,
+                mode=wandb_mode, project=wandb_project, entity=wandb_entity, group=wandb_group, name=run_name,
                 dir=str(output_dir), config=config, resume="allow",
             )
 

@@ -20,9 +20,11 @@ def new_run_dir_name(job_name: str) -> Path:
 
 
 def agree_on_output_dir(requested: str | None, job_name: str, is_main: bool, is_distributed: bool) -> Path:
-    """The run directory: ``requested`` if given, else one named by the main process. Collective when
-    distributed: every rank must call it."""
-    chosen = [str(Path(requested)) if requested else (str(new_run_dir_name(job_name)) if is_main else None)]
-    if is_distributed and not requested:
+    """The run directory: ``requested`` if given, else one named by the main process; the main process's choice
+    either way (ranks of a local sweep under torchrun compose sweep directories from their own clocks).
+    Collective when distributed: every rank must call it."""
+    chosen = [str(Path(requested).absolute()) if requested else (str(new_run_dir_name(job_name).absolute())
+                                                                  if is_main else None)]
+    if is_distributed:
         dist.broadcast_object_list(chosen, src=0)
-    return Path(chosen[0]).absolute()  # type: ignore[arg-type]
+    return Path(chosen[0])  # type: ignore[arg-type]

@@ -1,0 +1,107 @@
+"""What one ``train()`` call leaves in its process, and how it is torn down so the next call starts clean.
+
+A local Hydra sweep runs every point in one Python process, one after another. Each run creates process-wide
+state that would leak into the next point: the default process group, accelerate's shared ``PartialState`` /
+``AcceleratorState`` / ``GradientState`` (a second ``Accelerator`` with another precision refuses to build; the
+CPU rehearsal relabels the shared distributed type), environment variables accelerate writes (our environment
+guard would refuse the next run because of them), a wandb run still open after a failure, this run's log file
+handler, and the preemption signal handler. :func:`releases_run_state` tears all of it down when ``train()``
+returns or raises; every run seeds its RNGs itself at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import torch.distributed as dist
+
+RUN_LOG_FILENAME = "train.log"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RunLogHandler(logging.FileHandler):
+    """``<run dir>/train.log``: the run's log records, written by the main process only (appended on resume)."""
+
+
+def attach_run_log(output_dir: Path, is_main: bool) -> None:
+    """Send this run's log records to ``train.log`` in its run directory (main process only)."""
+    if not is_main:
+        return
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    handler = RunLogHandler(Path(output_dir) / RUN_LOG_FILENAME, delay=True)  # no file until something is logged
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+
+
+def _detach_run_logs() -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, RunLogHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _restore_signal_handlers() -> None:
+    # The preemption watch replaced a handler; put back the one it replaced (submitit's, or the default).
+    from lerobot_mg.launch.preemption import PreemptionWatch
+
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        watch = getattr(handler, "__self__", None)
+        if isinstance(watch, PreemptionWatch):
+            watch.uninstall()
+
+
+def _finish_wandb() -> None:
+    wandb = sys.modules.get("wandb")  # only if a run imported it
+    if wandb is not None and wandb.run is not None:
+        wandb.run.finish(exit_code=1)  # a run that raised before closing its tracker
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def release_run_state(environ_before: dict[str, str]) -> None:
+    """Tear down everything a run set up in this process (see the module docstring). Safe to call after a
+    run that failed anywhere, and when nothing was set up."""
+    _restore_signal_handlers()
+    _finish_wandb()
+    _detach_run_logs()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # every group, the default one included
+    _reset_accelerate()
+    _restore_environ(environ_before)
+
+
+def releases_run_state(train_fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate ``train``: each call, returning or raising, leaves the process as it found it."""
+
+    @functools.wraps(train_fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        environ_before = dict(os.environ)
+        try:
+            return train_fn(*args, **kwargs)
+        finally:
+            release_run_state(environ_before)
+
+    return wrapper

@@ -1,0 +1,161 @@
+"""Hydra's submitit SLURM launcher, with what multi-node training needs around it.
+
+``hydra/launcher=slurm`` (conf/hydra/launcher/slurm.yaml) selects :class:`SlurmSweepLauncher`: one SLURM job
+per sweep point, ``nodes x tasks_per_node`` ranks per job, each rank running the same ``train(cfg)``. On top of
+hydra-submitit-launcher it:
+
+- checks every point before anything is queued: its config, and ``dp_replicate x dp_shard`` against
+  ``nodes x tasks_per_node`` (:func:`lerobot_mg.config.validate.check_slurm_job`), with the one-line user error;
+- exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in every task before the task function runs
+  (:mod:`lerobot_mg.launch.slurm_env`);
+- makes a task whose training failed exit non-zero, so SLURM records the job as FAILED (Hydra would otherwise
+  catch the exception and return normally);
+- waits for the jobs on ``squeue`` as well as on submitit's result files: submitit learns that a job ended only
+  from ``sacct``, which clusters without accounting (the local test cluster) lack, so a job whose rank was killed
+  (and wrote no result) would be waited on forever.
+
+Hydra only instantiates launcher classes defined under ``hydra_plugins.*``; hydra_plugins/lerobot_mg_launcher
+subclasses this one under that name.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from omegaconf import OmegaConf, open_dict
+
+from lerobot_mg.config.loading import apply_policy_path, to_train_config
+from lerobot_mg.config.validate import check_slurm_job, check_sweep_point, report_user_error, validate
+from lerobot_mg.launch.slurm_env import export_torch_distributed_env
+
+logger = logging.getLogger(__name__)
+
+# A job in one of these states may still write results; any other state (or a job SLURM no longer lists) has ended.
+ACTIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
+    "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED",
+})
+POLL_INTERVAL_S = 1.0
+# After SLURM says a job ended, how long its result files may take to appear on this host (a shared filesystem can
+# lag): long for a job that completed (every task wrote one), short for one that failed (a dead task never will).
+RESULT_GRACE_S = {"COMPLETED": 60.0}
+FAILED_RESULT_GRACE_S = 5.0
+
+
+@dataclass
+class SlurmLauncherConf(SlurmQueueConf):
+    """hydra-submitit-launcher's SLURM fields, plus ``srun_args`` (submitit's, which that schema lacks)."""
+
+    _target_: str = "hydra_plugins.lerobot_mg_launcher.LerobotSlurmLauncher"
+    srun_args: list[str] | None = None  # extra arguments of the srun that starts the ranks
+
+
+class SlurmSweepLauncher(SlurmLauncher):
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import submitit
+
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))  # resolved (and cached in the config) once, here
+        self._check_points(job_overrides, initial_job_idx)
+
+        params = dict(self.params)
+        executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
+        base_keys = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in base_keys else f"slurm_{k}": v for k, v in params.items()})
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("SLURM sweep: %d job(s) in %s", len(job_overrides), sweep_dir)
+        arguments = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            logger.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
+            arguments.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        jobs = executor.map_array(self, *zip(*arguments))
+        return wait_for_jobs(jobs, [list(o) for o in job_overrides])
+
+    def _check_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
+        """Every point's config against the job's ranks, before submission. A user error exits with status 2."""
+        assert self.hydra_context is not None and self.config is not None
+        params = self.params
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            point = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(point):
+                del point["hydra"]
+            try:
+                check_sweep_point(point.output_dir, point.resume)
+                if point.policy.path is not None:  # as the job itself will compose it (scripts_entry)
+                    point = apply_policy_path(point, list(overrides))
+                cfg = to_train_config(point)
+                world_size = check_slurm_job(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, params["nodes"],
+                                             params["tasks_per_node"], params["gpus_per_node"])
+                validate(cfg, world_size)
+            except ValueError as error:
+                report_user_error(ValueError(f"sweep job #{idx} ({' '.join(overrides)}): {error}"))
+                raise SystemExit(2) from None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        """One SLURM task: runs in every rank of the job (and again after a requeue)."""
+        export_torch_distributed_env()  # before anything touches torch.distributed
+        job_return = super().__call__(*args, **kwargs)
+        if job_return.status == JobStatus.FAILED:
+            raise job_return._return_value  # exit non-zero: SLURM marks the job FAILED; submitit keeps the traceback
+        return job_return
+
+
+def slurm_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """State of each job SLURM still lists (array tasks one per line), from squeue."""
+    arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i %T", "-j", ",".join(arrays)],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:  # "Invalid job id": SLURM forgot every one of them (MinJobAge passed)
+        return {}
+    return dict(line.split() for line in out.stdout.splitlines() if line.strip())
+
+
+def _has_all_results(job: Any) -> bool:
+    return all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks))
+
+
+def _failed(overrides: list[str], error: BaseException) -> JobReturn:
+    job_return = JobReturn(overrides=overrides, status=JobStatus.FAILED)
+    job_return.return_value = error
+    return job_return
+
+
+def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobReturn]:
+    """Each job's JobReturn (its rank 0's), once it finished; a job that ended without a result from every task
+    (a rank killed, out of memory) is a failed JobReturn naming its state and logs."""
+    returns: dict[int, JobReturn] = {}
+    ended_at: dict[int, float] = {}
+    while len(returns) < len(jobs):
+        waiting = [i for i in range(len(jobs)) if i not in returns]
+        states = slurm_states([jobs[i].job_id for i in waiting])
+        for i in waiting:
+            job = jobs[i]
+            if _has_all_results(job):
+                try:
+                    returns[i] = job.results()[0]
+                except Exception as error:  # a task raised: submitit re-raises it here with the job's traceback
+                    returns[i] = _failed(overrides[i], error)
+                continue
+            state = states.get(job.job_id, "ENDED")
+            if state.split()[0] in ACTIVE_STATES:
+                ended_at.pop(i, None)
+                continue
+            ended_at.setdefault(i, time.monotonic())
+            if time.monotonic() - ended_at[i] > RESULT_GRACE_S.get(state, FAILED_RESULT_GRACE_S):
+                returns[i] = _failed(overrides[i], RuntimeError(
+                    f"SLURM job {job.job_id} ended ({state}) without a result from every task: a rank died (killed, "
+                    f"out of memory) or failed, and srun stopped the others. Logs: {job.paths.folder}"))
+        if len(returns) < len(jobs):
+            time.sleep(POLL_INTERVAL_S)
+    return [returns[i] for i in range(len(jobs))]

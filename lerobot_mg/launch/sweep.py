@@ -1,0 +1,54 @@
+"""One point of a Hydra multirun (``-m``), locally or as a SLURM job: its run directory, resume and wandb group.
+
+The run directory is Hydra's job directory, ``<hydra.sweep.dir>/<job number>``: the sweep directory is resolved
+once, in the process that launched the sweep, and travels inside the submission, so every rank of a SLURM job
+and every requeue of it name the same directory, and no two points share one. A requeued job restarts with the
+arguments it was first submitted with, so a resume point baked in at submission would be stale: instead, a job
+whose directory already holds ``checkpoints/last`` resumes from it, and the ledger records why
+(:func:`lerobot_mg.launch.preemption.resume_cause`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+from lerobot_mg.accounting.ledger import ResumeCause
+from lerobot_mg.checkpoint import layout
+from lerobot_mg.checkpoint.state import read_json
+from lerobot_mg.config.validate import check_sweep_point
+from lerobot_mg.launch.preemption import resume_cause
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    run_dir: Path  # <hydra.sweep.dir>/<job number>, absolute
+    resume_cause: ResumeCause | None  # set when the directory already held a checkpoint to resume
+
+
+def last_checkpoint_step(run_dir: Path) -> int | None:
+    """The loop step of ``checkpoints/last`` (always a complete checkpoint), or None if there is none."""
+    marker = layout.checkpoints_root(run_dir) / layout.LAST_LINK / layout.TRAINING_STATE_DIR / layout.TRAINING_STEP
+    return int(read_json(marker)["step"]) if marker.is_file() else None
+
+
+def prepare_sweep_job(composed: DictConfig, hydra_cfg: DictConfig) -> tuple[DictConfig, SweepJob | None]:
+    """For a multirun job: the config to train (resuming the job's own checkpoint if it has one) and its
+    :class:`SweepJob`; outside a multirun, the config unchanged and None."""
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return composed, None
+    check_sweep_point(composed.output_dir, composed.resume)
+    run_dir = Path(hydra_cfg.runtime.output_dir).absolute()
+    step = last_checkpoint_step(run_dir)
+    with open_dict(composed):
+        if composed.logging.wandb.group is None:
+            composed.logging.wandb.group = str(hydra_cfg.sweep.dir)
+        if step is not None:
+            # The job's config is composed from the same overrides as the first attempt's: only the resume is new.
+            composed.resume = True
+            composed.config_path = str(layout.checkpoints_root(run_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR
+                                       / layout.TRAIN_CONFIG_JSON)
+    return composed, SweepJob(run_dir, resume_cause(run_dir, step) if step is not None else None)
