@@ -12,11 +12,13 @@ pins the accelerate internals they rely on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
@@ -33,6 +35,29 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def use_cpu(acc_cfg: AcceleratorConfig) -> bool:
     return acc_cfg.cpu or not torch.cuda.is_available()
+
+
+# Process groups this process has created. A local sweep under torchrun trains its points one after another in the
+# same processes, so every rank counts the same groups in the same order.
+_process_group_count = itertools.count()
+
+
+def _create_process_group(cpu: bool, timeout: timedelta, distributed: bool) -> None:
+    """Create the run's process group through accelerate's ``PartialState``, with our timeout and, from the second
+    group of this process on, a rendezvous-store namespace of its own.
+
+    accelerate's ``InitProcessGroupKwargs`` passes on only values that differ from its defaults (600 s would
+    silently become gloo's 30 minutes), so the timeout goes to ``PartialState`` directly. torchrun's rendezvous
+    store outlives each process group: a new group whose rank reads the previous group's keys connects to a peer
+    that is gone and hangs. A fresh namespace per group avoids that.
+    """
+    index = next(_process_group_count) if distributed else 0
+    if index == 0:
+        PartialState(cpu=cpu, timeout=timeout)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    PartialState(cpu=cpu, timeout=timeout, store=dist.PrefixStore(f"lerobot_mg_group{index}", store), rank=rank,
+                 world_size=world_size)
 
 
 def _rehearse_on_cpu() -> None:
@@ -84,9 +109,7 @@ def _mixed_precision_policy(acc_cfg: AcceleratorConfig):
 def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Accelerator:
     """One Accelerator for the layout of ``dims``. Collective: every rank must call it."""
     cpu = use_cpu(acc_cfg)
-    # The process group is created here, with our timeout: accelerate's InitProcessGroupKwargs passes on only values
-    # that differ from its own defaults, so 600 s would silently become gloo's 30 minutes.
-    PartialState(cpu=cpu, timeout=timedelta(seconds=acc_cfg.process_group_timeout_s))
+    _create_process_group(cpu, timedelta(seconds=acc_cfg.process_group_timeout_s), dims.is_distributed)
     fsdp_plugin = None
     parallelism_config = None
     if dims.is_sharded:

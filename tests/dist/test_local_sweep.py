@@ -1,16 +1,20 @@
-"""A local Hydra sweep (-m, Hydra's basic launcher): every point runs in one Python process, one after another.
+"""A local Hydra sweep (-m, Hydra's basic launcher) on two torchrun "nodes" of this host (``--nnodes=2
+--node-rank=0/1 --rdzv-endpoint``, static rendezvous, 2 ranks each): every rank runs every point in its one Python
+process, one after another, so each point builds and tears down a process group and accelerate's state.
 
-Four points: two precisions x two datasets, the second dataset broken (its metadata is there, its data files are
-not, so the point fails after the Accelerator and the run directory exist). The good points must each get their own
-run directory, checkpoints, configs and ledger; the failed ones are reported and leave the next point untouched: the
-fp32 point that follows a bf16 run and a failure trains bit for bit like the same run started on its own
-(``layout_run("single_b8")``).
+Four points: DDP-4 and HSDP-2x2 x two datasets, the second broken (its metadata is there, its data files are not,
+so the point fails after the process group, the Accelerator and the run directory exist). The good points each get
+their own run directory, checkpoints, configs and ledger; the failed ones are reported and leave the next point
+untouched: the HSDP point, which follows a DDP run and a failure, trains bit for bit like the same run started on
+its own (``layout_run("hsdp_b4")``), and it records the guide's placement: each shard group inside one node
+(ranks 0-1, 2-3), replication across nodes.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +24,7 @@ import torch
 
 from lerobot_mg.accounting.ledger import read_ledger
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
-from tests.launch_utils import PUSHT_SLICE, last_weights, run_train
+from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, TRAIN_SCRIPT, clean_env, free_port, kill_tree, last_weights
 
 if TYPE_CHECKING:
     from tests.dist.conftest import Run
@@ -28,35 +32,66 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.dist
 
 
-def test_local_sweep_points_are_separate_runs(layout_run: Callable[[str], Run], tmp_path: Path) -> None:
-    broken = tmp_path / "broken_dataset"
-    shutil.copytree(PUSHT_SLICE / "meta", broken / "meta")
-    sweep_dir = tmp_path / "sweep"
-    proc = run_train(["-m", *DETERMINISTIC_RUN, *LAYOUT_RUNS["single_b8"][1], f"hydra.sweep.dir={sweep_dir}",
-                      "accelerator=bf16,fp32", f"dataset.root={PUSHT_SLICE},{broken}"], check=False, timeout=300)
-    # Points: 0 bf16 good, 1 bf16 broken, 2 fp32 good, 3 fp32 broken. Every point ran; the sweep exits non-zero.
-    assert proc.returncode != 0, proc.stdout[-4000:]
-    for failed in (1, 3):
-        assert f"sweep job #{failed} (" in proc.stdout and f"dataset.root={broken}) failed: " in proc.stdout
-        assert not (sweep_dir / str(failed) / "checkpoints").exists()
-
-    for point, precision in ((0, "bf16"), (2, "no")):
-        run_dir = sweep_dir / str(point)
-        train_config = json.loads((run_dir / "train_config.json").read_text())
-        assert train_config["output_dir"] == str(run_dir)
-        assert train_config["accelerator"]["mixed_precision"] == precision
-        assert train_config["logging"]["wandb"]["group"] == str(sweep_dir)
-        assert (run_dir / "config.yaml").is_file()
-        assert _last_step(run_dir) == 6
-        assert [s.start.kind for s in read_ledger(run_dir).segments] == ["start"]
-
-    # Nothing of the bf16 run or of the failure leaked into the fp32 point: it is the standalone run, bit for bit.
-    reference = layout_run("single_b8")
-    metrics = [json.loads(line) for line in (sweep_dir / "2" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["loss"] for m in metrics] == [m["loss"] for m in reference.metrics()]
-    weights, expected = last_weights(sweep_dir / "2"), reference.weights()
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+def _two_nodes(args: list[str], tmp_path: Path, timeout: float) -> tuple[list[int], list[str]]:
+    """Run scripts/train.py as two torchrun nodes of 2 ranks; (exit codes, outputs) of node 0 and node 1."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    launchers = []
+    for node, log_path in enumerate(logs):
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
+               f"--rdzv-endpoint={endpoint}", str(TRAIN_SCRIPT), *args]
+        with open(log_path, "w") as log:
+            launchers.append(subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [launcher.wait(timeout=timeout) for launcher in launchers]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"watchdog: the two nodes ran over {timeout}s\n{logs[0].read_text()[-4000:]}") from None
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                kill_tree(launcher)
+    return codes, [log.read_text() for log in logs]
 
 
 def _last_step(run_dir: Path) -> int:
     return json.loads((run_dir / "checkpoints/last/training_state/training_step.json").read_text())["step"]
+
+
+def test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run(layout_run: Callable[[str], Run],
+                                                                  tmp_path: Path) -> None:
+    broken = tmp_path / "broken_dataset"
+    shutil.copytree(PUSHT_SLICE / "meta", broken / "meta")
+    sweep_dir = tmp_path / "sweep"
+    batch_and_steps = [o for o in LAYOUT_RUNS["hsdp_b4"][1] if not o.startswith("parallelism.")]
+    codes, (stdout, _) = _two_nodes(["-m", *DETERMINISTIC_RUN, *batch_and_steps, f"hydra.sweep.dir={sweep_dir}",
+                                     "parallelism=ddp,hsdp",
+                                     f"dataset.root={PUSHT_SLICE},{broken}"], tmp_path, timeout=400)
+    # Points: 0 DDP good, 1 DDP broken, 2 HSDP good, 3 HSDP broken. Every point ran; the sweep exits non-zero.
+    assert codes[0] != 0 and codes[1] != 0, stdout[-4000:]
+    for failed in (1, 3):
+        assert f"sweep job #{failed} (" in stdout and f"dataset.root={broken}) failed: " in stdout, stdout[-4000:]
+        assert not (sweep_dir / str(failed) / "checkpoints").exists()
+
+    for point, layout in ((0, "ddp"), (2, "hsdp")):
+        run_dir = sweep_dir / str(point)
+        train_config = json.loads((run_dir / "train_config.json").read_text())
+        assert train_config["output_dir"] == str(run_dir)
+        assert train_config["run_arithmetic"]["topology"]["layout"] == layout
+        assert train_config["logging"]["wandb"]["group"] == str(sweep_dir)  # one wandb group per sweep
+        assert (run_dir / "config.yaml").is_file() and _last_step(run_dir) == 6
+        assert [s.start.kind for s in read_ledger(run_dir).segments] == ["start"]
+
+    # Nothing of the DDP run or of the failure leaked into the HSDP point: it is the standalone run, bit for bit.
+    hsdp_dir, reference = sweep_dir / "2", layout_run("hsdp_b4")
+    metrics = [json.loads(line) for line in (hsdp_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in reference.metrics()]
+    weights, expected = last_weights(hsdp_dir), reference.weights()
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+
+    # Shard within each node, replicate across nodes (torchrun's node ranks).
+    placement = json.loads((hsdp_dir / "placement.json").read_text())
+    assert placement["node_of_rank"] == [0, 0, 1, 1]
+    assert placement["shard_groups"] == [[0, 1], [2, 3]] and placement["replicate_groups"] == [[0, 2], [1, 3]]
+    assert placement["shard_groups_within_nodes"] and placement["replication_across_nodes"]
+    assert "shard groups [[0, 1], [2, 3]] each within one node; replicate groups [[0, 2], [1, 3]] across nodes" in (
+        hsdp_dir / "train.log").read_text()
