@@ -14,8 +14,8 @@ hydra-submitit-launcher it:
   from ``sacct``, which clusters without accounting (the local test cluster) lack, so a job whose rank was killed
   (and wrote no result) would be waited on forever.
 
-Hydra only instantiates launcher classes defined under ``hydra_plugins.*``; hydra_plugins/lerobot_mg_launcher
-subclasses this one under that name.
+Hydra only instantiates launcher classes defined under ``hydra_plugins.*``: lerobot_mg/launch/plugins holds
+``hydra_plugins.lerobot_mg_launcher`` (installed into that namespace package), which subclasses this one.
 """
 
 from __future__ import annotations
