@@ -105,6 +105,8 @@ start() {
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
     if [[ ! -S $MUNGE_SOCKET ]] || ! alive /run/munge/munged.pid; then
         runuser -u munge -- /usr/sbin/munged --force
+        for _ in $(seq 50); do alive /run/munge/munged.pid && break; sleep 0.1; done
+        cp /run/munge/munged.pid "$STATE_DIR/munged.pid"  # ours to stop; a munged that was already running is not
     fi
     alive "$STATE_DIR/slurmctld.pid" || slurmctld -i
     for node in "${NODES[@]}"; do
@@ -128,7 +130,7 @@ start() {
 
 stop() {
     need_root
-    local pidfiles=("$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid" /run/munge/munged.pid)
+    local pidfiles=("$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid" "$STATE_DIR/munged.pid")
     for pidfile in "${pidfiles[@]}"; do
         if alive "$pidfile"; then
             kill "$(cat "$pidfile")"
@@ -145,7 +147,7 @@ stop() {
 }
 
 status() {
-    for pidfile in "$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid" /run/munge/munged.pid; do
+    for pidfile in "$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid" "$STATE_DIR/munged.pid"; do
         if alive "$pidfile"; then echo "running: $pidfile ($(cat "$pidfile"))"; else echo "stopped: $pidfile"; fi
     done
     sinfo -N 2>/dev/null || true

@@ -55,6 +55,7 @@ def _cluster_problem() -> str | None:
 
 @pytest.fixture(scope="module")
 def slurm_cluster() -> None:
+    """Skip (outside CI) or fail (in CI) when no SLURM cluster answers."""
     problem = _cluster_problem()
     if problem is not None:
         message = f"no local SLURM cluster ({problem}): start one with `make slurm-local`"
@@ -157,6 +158,7 @@ def sweep(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
             subprocess.run(["scancel", array_id], timeout=30)
 
 
+@pytest.mark.slurm
 def test_hsdp_job_trains_checkpoints_exits_0_and_shards_within_nodes(sweep: Sweep) -> None:
     run_dir = sweep.run_dir("reference")
     assert sweep.final_states[sweep.job_id("reference")] == "COMPLETED", sweep.final_states
@@ -171,6 +173,7 @@ def test_hsdp_job_trains_checkpoints_exits_0_and_shards_within_nodes(sweep: Swee
     assert placement["shard_groups_within_nodes"] and placement["replication_across_nodes"]
 
 
+@pytest.mark.slurm
 def test_each_sweep_job_has_its_own_run_directory(sweep: Sweep) -> None:
     for point in ("reference", "preempted"):
         run_dir = sweep.run_dir(point)
@@ -182,6 +185,7 @@ def test_each_sweep_job_has_its_own_run_directory(sweep: Sweep) -> None:
         assert (run_dir / "checkpoints/last/pretrained_model/model.safetensors").is_file()
 
 
+@pytest.mark.slurm
 def test_preempted_job_saves_requeues_and_resumes_bit_identical(sweep: Sweep) -> None:
     run_dir, reference = sweep.run_dir("preempted"), sweep.run_dir("reference")
     assert sweep.final_states[sweep.job_id("preempted")] == "COMPLETED", sweep.final_states
@@ -210,6 +214,7 @@ def test_preempted_job_saves_requeues_and_resumes_bit_identical(sweep: Sweep) ->
           f"-> resumed {resume.time - sweep.signalled_at:.1f} s")
 
 
+@pytest.mark.slurm
 def test_a_dead_rank_fails_the_job_within_60_s(sweep: Sweep) -> None:
     job_id = sweep.job_id("killed")
     elapsed = sweep.dead_at - sweep.killed_at
