@@ -38,7 +38,7 @@ TWO_NODES_TWO_TASKS = [
     "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2", "hydra.launcher.gpus_per_node=0",
 ]
 STEPS = 30
-SWEEP = [*TWO_NODES_TWO_TASKS, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", *TINY_RUN, f"steps={STEPS}", "checkpoint.save_freq=10", "log_freq=1",
+SWEEP = [*TWO_NODES_TWO_TASKS, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", *TINY_RUN, f"steps={STEPS}", "checkpoint.save_freq=15", "log_freq=1",
          f"job_name={','.join(POINTS)}"]
 DEAD_RANK_LIMIT_S = 60
 
@@ -165,7 +165,7 @@ def test_hsdp_job_trains_checkpoints_exits_0_and_shards_within_nodes(sweep: Swee
     step = json.loads((run_dir / "checkpoints/last/training_state/training_step.json").read_text())
     assert step["step"] == STEPS and step["topology"]["layout"] == "hsdp" and step["world_size"] == 4
     assert os.readlink(run_dir / "checkpoints/last") == f"{STEPS:06d}"
-    assert (run_dir / "checkpoints/000010/training_state/optimizer_0").is_dir()  # HSDP: per-rank DCP shards
+    assert (run_dir / "checkpoints/000015/training_state/optimizer_0").is_dir()  # HSDP: per-rank DCP shards
     # The guide's mesh: shard within each node (ranks 0-1 on node 0, 2-3 on node 1), replicate across nodes.
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["node_of_rank"] == [0, 0, 1, 1]
