@@ -79,7 +79,12 @@ class PreemptionWatch:
 
     def agreed(self, loop_step: int) -> bool:
         """True on every rank once any rank has received the signal, at accumulation boundaries only (gradients
-        inside a window are not checkpointed). Collective: every rank must call it after every loop step."""
+        inside a window are not checkpointed). Collective: every rank must call it after every loop step.
+
+        One all-reduce of a 4-byte flag per boundary, rather than waiting for the next log step's metric reduction
+        (up to log_freq steps later, possibly past the signal delay): measured at about 1 ms on 4 gloo ranks of a
+        loaded 2-core host, against 190-340 ms for a loop step of the debug preset there; the loop already
+        synchronises with the device every step (the loss is read), so it adds no new stall on a GPU."""
         if not self.active or loop_step % self.accumulation_steps:
             return False
         flag = torch.tensor([self.received_at is not None], dtype=torch.int32, device=self.device)

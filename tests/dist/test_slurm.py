@@ -38,8 +38,8 @@ TWO_NODES_TWO_TASKS = [
     "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2", "hydra.launcher.gpus_per_node=0",
 ]
 STEPS = 30
-SWEEP = [*TWO_NODES_TWO_TASKS, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", *TINY_RUN, f"steps={STEPS}", "checkpoint.save_freq=15", "log_freq=1",
-         f"job_name={','.join(POINTS)}"]
+SWEEP = [*TWO_NODES_TWO_TASKS, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", *TINY_RUN,
+         f"steps={STEPS}", "checkpoint.save_freq=15", "log_freq=1", f"job_name={','.join(POINTS)}"]
 DEAD_RANK_LIMIT_S = 60
 
 
