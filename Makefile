@@ -21,12 +21,12 @@ $(STAMP): pyproject.toml
 # The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT, evaluate
 # it in simulation. About 10 minutes on 2 CPU cores.
 train: setup
-	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)" --num_episodes 50
+	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)" num_episodes=50
 	$(PY) scripts/train.py experiment=aloha_state
 
 # ACT with the top camera: a throughput check on a CPU (10 demos with 240x320 video, ~1.5 min to generate).
 train-image: setup
-	$(PY) scripts/make_dataset.py --root "$(EMBEDDED_ROOT)_images" --num_episodes 10 --image_size 240 320
+	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)_images" num_episodes=10 image_size="[240,320]"
 	$(PY) scripts/train.py experiment=aloha_image
 
 # Two xdist workers, one test file at a time each: tests wait on process start-up and rendezvous much of the time.

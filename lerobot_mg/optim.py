@@ -48,3 +48,18 @@ def describe_schedule(opt_cfg: OptimizerConfig, cfg: SchedulerConfig, total_step
         "total_steps": total_steps,
         "stepped": "once per loop step",
     }
+
+
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+                           cfg: OptimizerConfig) -> None:
+    """After loading a checkpoint's optimizer state: hyper-parameters come from this run's config, so an override on
+    the resume command line (e.g. optimizer.lr) takes effect. Unchanged values give the same numbers as before."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr
+        return
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)

@@ -1,10 +1,17 @@
-"""Console entry points (pyproject [project.scripts]); scripts/*.py call the same functions."""
+"""Console entry points (pyproject [project.scripts]); scripts/*.py call the same functions.
+
+Every command takes Hydra's ``key=value`` and LeRobot's ``--key=value`` alike: training through Hydra, the
+others through lerobot_mg/cli.py; ``--help`` lists the keys.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger("lerobot_mg.train")
 
@@ -64,13 +71,49 @@ def train() -> None:
 def convert_dcp() -> None:
     from lerobot_mg.checkpoint.convert import main
 
-    main()
-
-
-def compare_runs() -> None:
-    from lerobot_mg.accounting.report import main
-
     raise SystemExit(main())
+
+
+@dataclass(frozen=True)
+class CompareArgs:
+    """Compare training runs by their ledgers: sample presentations, optimizer updates, effective batch, what was
+    held fixed, and the conditions of every resume. Exit status 0; 1 when check_resume finds a resumed stream
+    neither sample-exact nor global-batch-exact (or cannot tell); 2 on a user error."""
+
+    run_dirs: list[Path] = field(metadata={"positional": True, "help": "run directories (>= 2), or bare arguments"})
+    check_resume: bool = field(default=False, metadata={"help": "with two runs, one resumed: compare the digests of "
+                                                                "what the loaders delivered around each resume"})
+    window: int | None = field(default=None, metadata={"help": "with check_resume: that many updates either side"})
+    out: Path | None = field(default=None, metadata={"help": "for the PNG and report.md (outputs/compare/<runs>)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object instead of the text report"})
+
+
+def compare_runs(argv: list[str] | None = None) -> int:
+    """``lerobot-mg-compare``; returns the exit status."""
+    from lerobot_mg import cli
+
+    return cli.run(CompareArgs, _compare, "lerobot-mg-compare", argv=argv)
+
+
+def _compare(args: CompareArgs) -> int:
+    from lerobot_mg.accounting import compare, report
+    from lerobot_mg.accounting.ledger import read_ledger
+
+    records = [read_ledger(run_dir) for run_dir in args.run_dirs]
+    comparison = compare.compare_runs(records)
+    if args.window is not None and not args.check_resume:
+        raise ValueError("window only applies with check_resume=true; add check_resume=true or drop window.")
+    check = compare.check_resume(*compare.pick_resumed_run(records), window=args.window) if args.check_resume else None
+    default_name = re.sub(r"[^\w.-]+", "_", "__vs__".join(compare.run_labels(records)))[:150]
+    out_dir = args.out or Path("outputs/compare") / default_name
+    plot = report.plot_learning_curves(records, out_dir / "learning_curves.png")
+    markdown = out_dir / "report.md"
+    markdown.write_text(report.format_markdown(comparison, check, plot.name), encoding="utf-8")
+    if args.json:
+        print(report.to_json(comparison, check, plot=plot, report=markdown))
+    else:
+        print(f"{report.format_text(comparison, check)}\nwrote {plot} and {markdown}")
+    return 0 if check is None or check.passed else 1
 
 
 def make_dataset() -> None:

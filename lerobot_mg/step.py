@@ -10,7 +10,6 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 
@@ -32,11 +31,11 @@ class Stepper:
     """Runs loop steps. Every method is collective: every rank calls it once per loop step."""
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, cfg: TrainConfig,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, grad_clip_norm: float,
                  dims: ParallelDims):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.preprocessor = preprocessor
-        self.grad_clip_norm = cfg.optimizer.grad_clip_norm
+        self.grad_clip_norm = grad_clip_norm  # optimizer.grad_clip_norm; 0 disables clipping
         self.dims = dims
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []

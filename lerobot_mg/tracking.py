@@ -1,114 +1,151 @@
-"""What a run records as it goes: loop counters, per-update sample digests, metrics reduced across ranks, the
-ledger, metrics.jsonl / wandb and the progress bar, behind one object so the loop stays short."""
+"""What a run records as it goes, behind one object so the loop stays short: loop counters, digests of what the
+DataLoader delivered, metrics reduced across ranks, the ledger (the run's one time series), wandb and the
+progress bar."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from lerobot_mg.accounting.ledger import BatchArithmetic, ResumeCause, RunLedger, sample_digest
-from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.data.sampler import ResumableBatchSampler
-from lerobot_mg.distributed.metrics import IntervalMetrics, MetricsLogger
-from lerobot_mg.distributed.parallel_dims import ParallelDims
-from lerobot_mg.optim import describe_schedule
+from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest
+from lerobot_mg.config.schema import LoggingConfig
+from lerobot_mg.distributed.metrics import IntervalMetrics, WandbLogger
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims
+from lerobot_mg.run_facts import Progress, RunFacts
 from lerobot_mg.step import StepLogs
 
+_DIGEST_BITS = 48  # a float64 holds a sum of two 24-bit halves over up to 2**29 ranks exactly
 
-@dataclass
-class Progress:
-    """Loop counters; saved in training_step.json and recorded in the ledger."""
 
-    step: int = 0
-    samples_seen: int = 0
-    optimizer_updates: int = 0
-    skipped_updates: int = 0  # fp16 overflow: the scaler skipped the optimizer step
+class LoaderDigests:
+    """One rank's digests of the ``index`` values its DataLoader delivered, one per optimizer update.
+
+    The sample at position ``p`` of an update's global batch (micro-step ``k``, data-parallel rank ``r``, slot
+    ``j``: ``p = k * batch_size * dp_world_size + r * batch_size + j``) hashes to ``mix(mix(index) + p)``; the
+    update's digest is the sum of its samples' hashes mod 2**48. Sums add up over ranks and micro-steps, so an
+    update's digest does not depend on how its global batch was split, while one wrong sample, or two swapped,
+    changes it. The sums travel as exact float64 halves in the metrics reduction that log steps already do.
+    """
+
+    def __init__(self, batch: BatchArithmetic, dp_rank: int) -> None:
+        self.batch, self.dp_rank = batch, dp_rank
+        self._sum, self._count, self._micro_step = 0, 0, 0
+        self._finished: list[tuple[int, int, int, int]] = []  # (update, loop step, sum, count)
+
+    def add(self, index_B: torch.Tensor) -> None:
+        """Account for one delivered micro-batch, by its ``index`` column."""
+        index = index_B.numpy().astype(np.uint64)
+        first = self._micro_step * self.batch.samples_per_loop_step + self.dp_rank * self.batch.batch_size
+        with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+            hashes = _mix(_mix(index) + np.arange(first, first + len(index), dtype=np.uint64))
+        self._sum = (self._sum + int(hashes.sum(dtype=np.uint64))) % (1 << _DIGEST_BITS)
+        self._count += len(index)
+        self._micro_step += 1
+
+    def end_update(self, optimizer_update: int, loop_step: int) -> None:
+        self._finished.append((optimizer_update, loop_step, self._sum, self._count))
+        self._sum, self._count, self._micro_step = 0, 0, 0
+
+    def pack(self) -> list[float]:
+        """Per finished update: the low and high halves of this rank's sum, and its sample count."""
+        half = 1 << _DIGEST_BITS // 2
+        return [float(x) for _, _, total, count in self._finished for x in (total % half, total // half, count)]
+
+    def unpack(self, summed: list[float]) -> tuple[UpdateDigest, ...]:
+        """The finished updates' digests, from ``pack()`` summed over ranks; starts the next interval."""
+        half, values = 1 << _DIGEST_BITS // 2, [int(x) for x in summed]
+        digests = tuple(
+            UpdateDigest(update, step, f"{(low + high * half) % (1 << _DIGEST_BITS):012x}", count)
+            for (update, step, _, _), low, high, count in zip(self._finished, values[::3], values[1::3], values[2::3])
+        )
+        self._finished = []
+        return digests
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class RunTracker:
-    def __init__(self, cfg: TrainConfig, dims: ParallelDims, arithmetic: BatchArithmetic,
-                 sampler: ResumableBatchSampler, output_dir: Path, train_config: dict[str, Any], progress: Progress,
-                 device: torch.device):
-        self.cfg, self.dims, self.arithmetic, self.sampler, self.progress = cfg, dims, arithmetic, sampler, progress
+    """Counts, digests, reduces and records. Creating it writes the start/resume record."""
+
+    def __init__(self, logging: LoggingConfig, log_freq: int, total_steps: int, facts: RunFacts,
+                 progress: Progress, dims: ParallelDims, output_dir: Path, device: torch.device,
+                 run_config: dict[str, Any]):
+        self.log_freq, self.total_steps, self.facts, self.progress = log_freq, total_steps, facts, progress
         self.ledger = RunLedger(output_dir, dims.is_main_process)
-        self.metrics_log = MetricsLogger(
-            output_dir, dims.is_main_process, cfg.logging.wandb.mode, cfg.logging.wandb.project,
-            cfg.logging.wandb.entity, cfg.logging.wandb.group, f"{cfg.job_name}-{output_dir.name}", train_config,
-        )
+        self.ledger.write(StartRecord(time.time(), replace(progress), facts))
+        self.wandb = WandbLogger(output_dir, dims.is_main_process, logging.wandb.mode, logging.wandb.project,
+                                 logging.wandb.entity, logging.wandb.group, f"{run_config['job_name']}-{output_dir.name}",
+                                 run_config)
         self.interval = IntervalMetrics(dims, device)
+        self.digests = LoaderDigests(facts.batch, dims.rank) if logging.record_sample_digests else None
         self.last_metrics: dict[str, float] = {"loss": math.nan}
-        self._digest_indices: list[int] = []
-        self._last_grad_norm = math.nan
+        self._last_grad_norm = self._lr = math.nan
         self._bar = None
-        if cfg.logging.progress_bar and dims.is_main_process:
+        if logging.progress_bar and dims.is_main_process:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=cfg.steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
         self._start = time.perf_counter()
 
-    def record_start(self, resumed_from: Path | None, run_facts: dict, continuation: str | None,
-                     model: dict[str, Any], resume_cause: ResumeCause | None) -> None:
-        p, cfg = self.progress, self.cfg
-        self.ledger.record_start(
-            kind="resume" if resumed_from else "start", loop_step=p.step, samples_seen=p.samples_seen,
-            optimizer_updates=p.optimizer_updates, arithmetic=self.arithmetic, topology=self.dims.to_dict(),
-            world_size=self.dims.world_size, precision=cfg.accelerator.mixed_precision,
-            code_revision=run_facts["code_revision"], dataset_fingerprint=run_facts["dataset_fingerprint"],
-            checkpoint_format=cfg.checkpoint.format, resumed_from=str(resumed_from) if resumed_from else None,
-            lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps), sampler_continuation=continuation,
-            model=model,
-            resume_cause=resume_cause,
-        )
-
-    def step_done(self, logs: StepLogs, epoch: int, offset: int) -> None:
-        """Account for one finished loop step that consumed the global batch at (epoch, offset). Collective on
-        log steps: every rank must call it after every loop step."""
-        p, cfg = self.progress, self.cfg
+    def step_done(self, logs: StepLogs, index_B: torch.Tensor) -> None:
+        """Account for one finished loop step that trained on the samples ``index_B`` (this rank's micro-batch).
+        Collective on log steps: every rank must call it after every loop step."""
+        p = self.progress
         p.step += 1
-        p.samples_seen += self.arithmetic.samples_per_loop_step
-        self.interval.add(logs.losses, cfg.batch_size)
-        # The global batch, known from the sampler without communication; only the main process records it.
-        if cfg.logging.record_sample_digests and self.dims.is_main_process:
-            self._digest_indices += self.sampler.permutation(epoch)[offset : offset + self.sampler.global_batch_size].tolist()
+        self._lr = logs.lr
+        p.samples_seen += self.facts.batch.samples_per_loop_step
+        self.interval.add(logs.losses, len(index_B))
+        if self.digests is not None:
+            self.digests.add(index_B)
         if logs.synced:
             self._last_grad_norm = logs.grad_norm
             p.optimizer_updates += 1
             p.skipped_updates += int(logs.skipped)
-            if self._digest_indices:
-                self.ledger.record_update(optimizer_update=p.optimizer_updates, loop_step=p.step,
-                                          digest=sample_digest(self._digest_indices),
-                                          num_samples=len(self._digest_indices))
-            self._digest_indices = []
-        if p.step % cfg.log_freq == 0 or p.step == cfg.steps:
-            self._log(logs.lr)
+            if self.digests is not None:
+                self.digests.end_update(p.optimizer_updates, p.step)
+        if p.step % self.log_freq == 0 or p.step == self.total_steps:
+            self.end_interval()
         if self._bar is not None:
             self._bar.update(1)
 
-    def _log(self, lr: float) -> None:
-        p = self.progress
-        reduced = self.interval.reduce()  # collective
-        reduced.update(lr=lr, samples_seen=p.samples_seen, optimizer_updates=p.optimizer_updates,
-                       skipped_updates=p.skipped_updates)
+    def end_interval(self) -> None:
+        """Reduce and record the interval so far (nothing if it is empty). Collective: every rank calls it at the
+        same loop step."""
+        if self.interval.is_empty:
+            return
+        reduced, summed = self.interval.reduce(self.digests.pack() if self.digests is not None else [])  # collective
+        reduced["lr"] = self._lr
         if math.isfinite(self._last_grad_norm):  # the last update's (clipping off: not computed)
             reduced["grad_norm"] = self._last_grad_norm
-        self.metrics_log.log(p.step, reduced)
-        self.ledger.record_interval(
-            loop_step=p.step, samples_seen=p.samples_seen, optimizer_updates=p.optimizer_updates,
-            effective_batch_size=self.arithmetic.effective_batch_size, lr=lr, loss=reduced["loss"],
-            wall_time_s=time.perf_counter() - self._start,
-            extra={k: v for k, v in reduced.items() if k not in ("loss", "lr")},
-        )
+        updates = self.digests.unpack(summed) if self.digests is not None else ()
+        p = self.progress
+        self.ledger.write(IntervalRecord(time.time(), replace(p), time.perf_counter() - self._start,
+                                         reduced, updates))
+        self.wandb.log(p.step, {**reduced, "samples_seen": p.samples_seen, "optimizer_updates": p.optimizer_updates,
+                                "skipped_updates": p.skipped_updates})
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{reduced['loss']:.4f}", lr=f"{lr:.2e}")
+            self._bar.set_postfix(loss=f"{reduced['loss']:.4f}", lr=f"{self._lr:.2e}")
         self.last_metrics = reduced
+
+    def checkpoint(self) -> None:
+        """Before a checkpoint: end the interval here and make the ledger durable, so a resume from the
+        checkpoint finds every record up to it. Collective."""
+        self.end_interval()
+        self.ledger.sync()
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         self.ledger.close()
-        self.metrics_log.close()
+        self.wandb.close()

@@ -79,7 +79,7 @@ def _memory_worker(rank: int, world_size: int, port: int, shard: bool, args: arg
         shard_units(accelerator, policy, cfg.accelerator.fsdp)
     optimizer = make_optimizer(policy, cfg.optimizer)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    stepper = Stepper(accelerator, model, optimizer, None, lambda b: b, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, None, lambda b: b, cfg.optimizer.grad_clip_norm, dims)
     generator = torch.Generator().manual_seed(rank)
     # One step allocates the optimizer state; one more backward leaves the (reduced) gradients in place.
     stepper.step(_batch(cfg.batch_size, cfg.policy.chunk_size, generator))
@@ -131,7 +131,7 @@ def _overhead(args: argparse.Namespace) -> tuple[float, float]:
     optimizer = make_optimizer(ours, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, 10_000)
     model, optimizer = accelerator.prepare(ours, optimizer)
-    stepper = Stepper(accelerator, model, optimizer, scheduler, lambda b: b, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, scheduler, lambda b: b, cfg.optimizer.grad_clip_norm, dims)
     bare_opt = make_optimizer(bare, cfg.optimizer)
     bare_sched = make_scheduler(bare_opt, cfg.scheduler, 10_000)
 

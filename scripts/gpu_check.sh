@@ -32,9 +32,10 @@ run() {  # name, launcher..., overrides...
   local start=$SECONDS
   "$@" "${common[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|Error|error" || true
   $PY - "$OUT/$name" <<'PY'
-import json, sys, pathlib
+import sys, pathlib
 run = pathlib.Path(sys.argv[1])
-lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+from lerobot_mg.accounting.ledger import read_ledger
+lines = [interval.metrics for interval in read_ledger(run).intervals]
 print(f"   loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}, samples/s {lines[-1]['samples/s']:.0f}, "
       f"peak GPU memory {lines[-1].get('gpu_peak_memory_gb', 'n/a')} GB")
 PY

@@ -13,11 +13,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 from safetensors.torch import load_file
+
+from lerobot_mg.accounting.ledger import read_ledger
 
 REPO = Path(__file__).resolve().parents[1]
 # A real third-party LeRobot v3.0 dataset shipped with the tests (licence and provenance in its README).
@@ -130,3 +133,9 @@ def last_weights(run_dir: Path) -> dict:
 
 def weights_at(run_dir: Path, step: int) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"{step:06d}" / "pretrained_model" / "model.safetensors"))
+
+
+def interval_metrics(run_dir: Path) -> list[dict]:
+    """The ledger's interval records of the effective run, flat: step and the other counters, wall time since the
+    attempt started, and the metrics reduced across ranks (loss, lr, grad_norm, samples/s, ...)."""
+    return [{**asdict(r.progress), "wall_time_s": r.wall_time_s, **r.metrics} for r in read_ledger(run_dir).intervals]

@@ -1,26 +1,2 @@
-"""The run ledger and honest run comparison (seeds/comparing-runs.md)."""
-
-from lerobot_mg.accounting.compare import Comparison, ResumeCheck, check_resume, compare_runs
-from lerobot_mg.accounting.ledger import (
-    LEDGER_FILENAME,
-    BatchArithmetic,
-    RunLedger,
-    RunRecord,
-    read_ledger,
-    sample_digest,
-)
-from lerobot_mg.accounting.revision import code_revision
-
-__all__ = [
-    "LEDGER_FILENAME",
-    "BatchArithmetic",
-    "Comparison",
-    "ResumeCheck",
-    "RunLedger",
-    "RunRecord",
-    "check_resume",
-    "code_revision",
-    "compare_runs",
-    "read_ledger",
-    "sample_digest",
-]
+"""What each run trained on and under which conditions (seeds/comparing-runs.md): the facts of every start
+(``facts``), the run ledger (``ledger``), the comparison of runs (``compare``) and its report and CLI (``report``)."""

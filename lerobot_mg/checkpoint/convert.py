@@ -21,10 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lerobot_mg import cli
 from lerobot_mg.checkpoint import layout as L
 
 logger = logging.getLogger(__name__)
@@ -224,63 +224,28 @@ def push_to_hub(pretrained_dir: Path, repo_id: str) -> str:
 
 @dataclass(frozen=True)
 class ConvertArgs:
-    checkpoint_dir: Path
-    delete_dcp: bool = False
-    push_to_hub: str | None = None
+    checkpoint_dir: Path = field(metadata={"help": "a step directory (checkpoints/005000 or checkpoints/last) or "
+                                                   "its pretrained_model/"})
+    delete_dcp: bool = field(default=False, metadata={"help": "remove the shards once the merged file is verified"})
+    push_to_hub: str | None = field(default=None, metadata={"help": "<user>/<repo> to upload pretrained_model/ to"})
+
+    def __post_init__(self) -> None:
+        if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
+            raise ValueError(f"push_to_hub={self.push_to_hub}: expected a repo id <user>/<repo>. "
+                             "Fix: push_to_hub=${HF_USER}/my_policy")
 
 
-_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-
-
-def parse_args(argv: list[str]) -> ConvertArgs:
-    """``key=value`` or ``--key=value`` arguments (``--key value`` too)."""
-    values: dict[str, str] = {}
-    position = 0
-    while position < len(argv):
-        arg = argv[position].removeprefix("--")
-        if "=" not in arg:
-            if argv[position].startswith("--") and position + 1 < len(argv):
-                arg = f"{arg}={argv[position + 1]}"
-                position += 1
-            else:
-                raise ValueError(f"argument {argv[position]!r} is not key=value. Fix: checkpoint_dir=<path>")
-        key, value = arg.split("=", 1)
-        if key not in ("checkpoint_dir", "delete_dcp", "push_to_hub"):
-            raise ValueError(
-                f"{key}={value}: unknown argument; the arguments are checkpoint_dir, delete_dcp and push_to_hub."
-            )
-        values[key] = value
-        position += 1
-    if not values.get("checkpoint_dir"):
-        raise ValueError("checkpoint_dir is required. Fix: checkpoint_dir=<run>/checkpoints/<step or last>")
-    delete_dcp = values.get("delete_dcp", "false").lower()
-    if delete_dcp not in _TRUE + _FALSE:
-        raise ValueError(f"delete_dcp={values['delete_dcp']}: expected true or false. Fix: delete_dcp=true")
-    push = values.get("push_to_hub") or None
-    if push is not None and push.count("/") != 1:
-        raise ValueError(f"push_to_hub={push}: expected a repo id <user>/<repo>. Fix: push_to_hub=${{HF_USER}}/my_policy")
-    return ConvertArgs(Path(values["checkpoint_dir"]), delete_dcp in _TRUE, push)
-
-
-def run(args: ConvertArgs) -> Path:
-    """Convert (and publish); returns the merged file."""
+def run(args: ConvertArgs) -> None:
+    """Convert (and publish)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.push_to_hub is not None:  # fail on a missing dependency before the (possibly long) merge
         require_hub(args.push_to_hub)
     target = convert_checkpoint(args.checkpoint_dir, delete_dcp=args.delete_dcp)
     print(f"wrote {target}", flush=True)
     if args.push_to_hub is not None:
         print(f"pushed {target.parent} to {push_to_hub(target.parent, args.push_to_hub)}", flush=True)
-    return target
 
 
-def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
-        return
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        run(parse_args(argv))
-    except ValueError as error:
-        raise SystemExit(f"lerobot-mg-convert-dcp: {error}") from None
+def main(argv: list[str] | None = None) -> int:
+    """``lerobot-mg-convert-dcp``; returns the exit status (2 on a user error)."""
+    return cli.run(ConvertArgs, run, "lerobot-mg-convert-dcp", __doc__, argv)

@@ -288,7 +288,10 @@ def check_resumable(step_dir: Path) -> dict[str, Any]:
             "which always names the last complete checkpoint"
         )
     info = read_json(marker)
-    saved_sharded = bool(info.get("topology", {}).get("dp_shard", 1) > 1)
+    if "facts" not in info:
+        raise ValueError(f"{marker} holds no run facts: the checkpoint was written by an older lerobot_mg. Fix: resume "
+                         "it with that version, or start a new run from its weights")
+    saved_sharded = info["facts"]["topology"]["dp_shard"] > 1
 
     model_dcp = pretrained / L.MODEL_DCP_DIR
     if model_dcp.is_dir():

@@ -24,8 +24,8 @@ _DOTTED_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
 # The guide's flat spellings of keys that live in a config group here.
 _ALIASES = {"checkpoint_format": "checkpoint.format", "save_freq": "checkpoint.save_freq"}
 
-# Keys added to train_config.json for readers (the ledger's numbers); not part of the schema.
-DERIVED_KEY = "run_arithmetic"
+# The RunFacts block of train_config.json (for readers); not part of the schema.
+DERIVED_KEY = "run_facts"
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

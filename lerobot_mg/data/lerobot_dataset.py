@@ -50,7 +50,6 @@ DEFAULT_FEATURES: dict[str, dict] = {
     "index": {"dtype": "int64", "shape": [1], "names": None},
     "task_index": {"dtype": "int64", "shape": [1], "names": None},
 }
-_VISUAL_DTYPES = ("image", "video")
 
 
 def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
@@ -106,7 +105,6 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.fps = int(self.info["fps"])
         self.features: dict[str, dict] = self.info["features"]
         self.tolerance_s = tolerance_s
-        self.camera_keys = [key for key, ft in self.features.items() if ft["dtype"] in _VISUAL_DTYPES]
         self.video_keys = [key for key, ft in self.features.items() if ft["dtype"] == "video"]
         self.stats = self._load_stats()
         self._task_names = self._load_tasks()

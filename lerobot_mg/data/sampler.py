@@ -54,7 +54,6 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.num_steps_per_epoch = num_samples // global_batch_size
         self.epoch = 0
         self.offset = 0
-        self.resume_message: str | None = None
         self._cached_epoch: int | None = None
         self._cached_permutation = torch.empty(0, dtype=torch.int64)
 
@@ -73,15 +72,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
             self._cached_epoch = epoch
         return self._cached_permutation
 
-    def _batch_at(self, epoch: int, window_start: int, rank: int) -> list[int]:
-        start = window_start + rank * self.batch_size
+    def _batch_at(self, epoch: int, window_start: int) -> list[int]:
+        start = window_start + self.rank * self.batch_size
         return self.permutation(epoch)[start : start + self.batch_size].tolist()
-
-    def indices_for_step(self, epoch: int, step_in_epoch: int, rank: int) -> list[int]:
-        """Rank ``rank``'s batch at step ``step_in_epoch`` of an epoch started from offset 0."""
-        if not 0 <= step_in_epoch < self.num_steps_per_epoch:
-            raise ValueError(f"step_in_epoch={step_in_epoch} is outside [0, {self.num_steps_per_epoch}).")
-        return self._batch_at(epoch, step_in_epoch * self.global_batch_size, rank)
 
     def __len__(self) -> int:
         return (self.num_samples - self.offset) // self.global_batch_size
@@ -92,7 +85,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _iterate(self, epoch: int, offset: int, num_steps: int) -> Iterator[list[int]]:
         for step in range(num_steps):
-            yield self._batch_at(epoch, offset + step * self.global_batch_size, self.rank)
+            yield self._batch_at(epoch, offset + step * self.global_batch_size)
 
     def advance(self, num_steps: int = 1) -> None:
         if num_steps < 0:
@@ -104,18 +97,12 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
                 self.offset = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "offset": self.offset,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "num_samples": self.num_samples,
-        }
+        """The position in the global stream, and what makes the stream (how it is split is the run's business:
+        ``RunFacts.batch`` records it, and ``Continuation.of_resume`` judges a change)."""
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> str:
-        """Continues at the saved epoch and global sample offset; returns (and keeps in
-        ``resume_message``) how exact the continuation is for the log."""
+        """Continue at the saved epoch and global sample offset; returns the position, for the log."""
         if state["num_samples"] != self.num_samples:
             raise ValueError(
                 f"the sampler state was saved for a dataset of {state['num_samples']} samples, but this one has "
@@ -126,31 +113,10 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"the sampler state was saved with seed={state['seed']} but this run has seed={self.seed}; "
                 f"resume with seed={state['seed']} to continue the same sample order."
             )
-        self.epoch = int(state["epoch"])
-        self.offset = int(state["offset"])
-        saved_batch_size, saved_world_size = int(state["batch_size"]), int(state["world_size"])
-        saved_global = saved_batch_size * saved_world_size
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         position = f"epoch {self.epoch}, sample offset {self.offset}"
-        if (saved_batch_size, saved_world_size) == (self.batch_size, self.world_size):
-            message = f"Data sampler resumed sample-exact at {position}."
-        elif saved_global == self.global_batch_size:
-            message = (
-                f"Data sampler resumed global-batch-exact at {position}: the global batch is still {saved_global} "
-                f"but split as batch_size={self.batch_size} x world size {self.world_size} instead of "
-                f"{saved_batch_size} x {saved_world_size}, so each rank sees different samples than before."
-            )
-        else:
-            message = (
-                f"Data sampler resumed position-exact only at {position}: the global batch changed from "
-                f"{saved_batch_size} x {saved_world_size} = {saved_global} to {self.batch_size} x "
-                f"{self.world_size} = {self.global_batch_size}, so batch boundaries differ from the original run."
-            )
         if self.offset + self.global_batch_size > self.num_samples:
             # Fewer samples left than one new global batch: this epoch has no step left.
-            self.epoch += 1
-            self.offset = 0
-            message += (
-                f" Too few samples remained for one global batch; continuing at epoch {self.epoch}, offset 0."
-            )
-        self.resume_message = message
-        return message
+            self.epoch, self.offset = self.epoch + 1, 0
+            position += f" (too few samples remained for one global batch: continuing at epoch {self.epoch}, offset 0)"
+        return position

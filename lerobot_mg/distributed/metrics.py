@@ -1,8 +1,7 @@
-"""Metrics reduced across ranks, then logged by the main process to metrics.jsonl and wandb."""
+"""Metrics reduced across ranks (the ledger records them), and the main process's wandb sink."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,6 @@ import torch
 import torch.distributed as dist
 
 from lerobot_mg.distributed.parallel_dims import ParallelDims
-
-METRICS_FILENAME = "metrics.jsonl"
 
 
 class IntervalMetrics:
@@ -31,20 +28,26 @@ class IntervalMetrics:
         self._num_steps += 1
         self._num_samples += num_samples
 
-    def reduce(self) -> dict[str, float]:
-        """Loss-like values averaged over ranks and steps; ``samples/s`` cluster-wide. Collective: every rank
-        must call it at the same loop step. Resets the interval."""
-        keys = sorted(self._sums)
+    @property
+    def is_empty(self) -> bool:
+        return self._num_steps == 0
+
+    def reduce(self, exact_sums: list[float] | None = None) -> tuple[dict[str, float], list[float]]:
+        """Loss-like values averaged over ranks and steps; ``samples/s`` cluster-wide; and ``exact_sums`` (integers
+        below 2**53, e.g. digest halves) summed over ranks in the same all-reduce. Collective: every rank must call
+        it at the same loop step, with as many ``exact_sums``. Resets the interval."""
+        keys, extra = sorted(self._sums), list(exact_sums or [])
         packed = torch.tensor(
-            [self._sums[k] for k in keys] + [float(self._num_steps), float(self._num_samples)],
+            [self._sums[k] for k in keys] + extra + [float(self._num_steps), float(self._num_samples)],
             dtype=torch.float64,
             device=self.device,
         )
         if self.dims.is_distributed:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         elapsed = time.perf_counter() - self.start
-        total_steps, total_samples = packed[-2].item(), packed[-1].item()
-        out = {k: packed[i].item() / max(total_steps, 1.0) for i, k in enumerate(keys)}
+        values = packed.tolist()
+        total_steps, total_samples = values[-2], values[-1]
+        out = {k: values[i] / max(total_steps, 1.0) for i, k in enumerate(keys)}
         out["samples/s"] = total_samples / max(elapsed, 1e-9)
         if self.device.type == "cuda":  # the largest peak over ranks
             peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 1e9], device=self.device)
@@ -53,21 +56,16 @@ class IntervalMetrics:
             out["gpu_peak_memory_gb"] = round(peak.item(), 3)
         self._sums, self._num_steps, self._num_samples = {}, 0, 0
         self.start = time.perf_counter()
-        return out
+        return out, values[len(keys) : len(keys) + len(extra)]
 
 
-class MetricsLogger:
-    """Main-process sink: one JSON line per log step in ``metrics.jsonl`` and, unless disabled, wandb."""
+class WandbLogger:
+    """Main-process sink for wandb (the ledger is the run's own time series); a no-op when disabled."""
 
     def __init__(self, output_dir: Path, is_main: bool, wandb_mode: str, wandb_project: str,
                  wandb_entity: str | None, wandb_group: str | None, run_name: str, config: dict[str, Any]):
-        self.is_main = is_main
-        self._file = None
         self._wandb = None
-        if not is_main:
-            return
-        self._file = open(Path(output_dir) / METRICS_FILENAME, "a")
-        if wandb_mode != "disabled":
+        if is_main and wandb_mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(
@@ -76,16 +74,9 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.is_main:
-            return
-        assert self._file is not None
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()

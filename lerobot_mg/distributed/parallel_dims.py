@@ -1,24 +1,28 @@
-"""The runtime topology: the one object that knows degrees, ranks and the layout name."""
+"""The runtime topology (degrees, ranks, layout name) and the batch arithmetic it implies.
+
+``layout`` and ``effective_batch_size`` are derived fields (``init=False``): computed on construction, written
+with ``dataclasses.asdict`` so readers of the JSON records see them, and never read back.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-from lerobot_mg.config.validate import resolve_dp_degrees
+from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass(frozen=True)
-class ParallelDims:
+class Topology:
+    """The saveable topology of a run (no ranks: they describe a process, not the run)."""
+
     dp_replicate: int
     dp_shard: int
     world_size: int
-    rank: int
-    local_rank: int
+    layout: str = field(init=False)
 
-    @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, rank: int = 0, local_rank: int = 0):
-        replicate, shard = resolve_dp_degrees(dp_replicate, dp_shard, world_size)
-        return cls(replicate, shard, world_size, rank, local_rank)
+    def __post_init__(self) -> None:
+        sharded, replicated = self.dp_shard > 1, self.dp_replicate > 1
+        layout = "hsdp" if sharded and replicated else "fsdp" if sharded else "ddp" if self.world_size > 1 else "single"
+        object.__setattr__(self, "layout", layout)
 
     @property
     def dp_world_size(self) -> int:
@@ -31,37 +35,111 @@ class ParallelDims:
 
     @property
     def is_hsdp(self) -> bool:
-        return self.is_sharded and self.dp_replicate > 1
+        return self.layout == "hsdp"
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def layout(self) -> str:
-        if self.is_hsdp:
-            return "hsdp"
-        if self.is_sharded:
-            return "fsdp"
-        return "ddp" if self.is_distributed else "single"
 
     def describe(self) -> str:
         if self.layout == "hsdp":
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard} shards (mesh dp_replicate x dp_shard)"
         if self.layout == "fsdp":
             return f"FSDP2: {self.dp_shard} shards"
-        if self.layout == "ddp":
-            return f"DDP: {self.world_size} replicas"
-        return "single process"
+        return f"DDP: {self.world_size} replicas" if self.layout == "ddp" else "single process"
 
-    def to_dict(self) -> dict:
-        """The saveable topology (no ranks: they describe a process, not the run)."""
-        d = asdict(self)
-        del d["rank"], d["local_rank"]
-        d["layout"] = self.layout
-        d["dp_world_size"] = self.dp_world_size
-        return d
+
+@dataclass(frozen=True)
+class ParallelDims(Topology):
+    """The one object that knows degrees and ranks; the loop asks it questions instead of doing rank arithmetic."""
+
+    rank: int
+    local_rank: int
+
+    @classmethod
+    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, rank: int = 0,
+                local_rank: int = 0) -> ParallelDims:
+        # Imported here: run records (Topology, BatchArithmetic) are read by tools that need no config or torch.
+        from lerobot_mg.config.validate import resolve_dp_degrees
+
+        replicate, shard = resolve_dp_degrees(dp_replicate, dp_shard, world_size)
+        return cls(replicate, shard, world_size, rank, local_rank)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.dp_replicate, self.dp_shard, self.world_size)
+
+
+@dataclass(frozen=True)
+class BatchArithmetic:
+    """The guide's batch arithmetic: each of ``dp_world_size`` workers loads a ``batch_size`` micro-batch per
+    loop step; ``grad_accum_steps`` loop steps make one optimizer update of ``effective_batch_size`` samples."""
+
+    batch_size: int
+    dp_world_size: int
+    grad_accum_steps: int
+    effective_batch_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "dp_world_size", "grad_accum_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BatchArithmetic.{name} must be a positive integer, got {value!r}.")
+        object.__setattr__(self, "effective_batch_size", self.samples_per_loop_step * self.grad_accum_steps)
+
+    @property
+    def samples_per_loop_step(self) -> int:
+        return self.batch_size * self.dp_world_size
+
+    def describe(self) -> str:
+        return (f"batch_size {self.batch_size} x dp_world_size {self.dp_world_size} x grad_accum "
+                f"{self.grad_accum_steps} = effective batch {self.effective_batch_size}")
+
+    def sample_presentations(self, loop_steps: int) -> int:
+        """Samples drawn over ``loop_steps`` loop steps (full micro-batches: the sampler drops the last)."""
+        if loop_steps < 0:
+            raise ValueError(f"loop_steps must be >= 0, got {loop_steps}.")
+        return loop_steps * self.samples_per_loop_step
+
+    def optimizer_updates(self, loop_steps: int) -> int:
+        """Optimizer updates completed over ``loop_steps`` loop steps (a partial accumulation is not one)."""
+        return self.sample_presentations(loop_steps) // self.effective_batch_size
+
+
+class Continuation(str, Enum):
+    """How exactly a resumed run continues the sample stream of the run it resumes (README "Batch semantics").
+
+    The sampler's state is a position in one global stream; what a resume keeps depends on the batch arithmetic
+    before and after it. Members are ordered best first.
+    """
+
+    # Same batch_size, dp_world_size and grad_accum_steps: every rank sees the samples it would have seen.
+    SAMPLE_EXACT = "sample-exact"
+    # Same global batch per loop step and same accumulation, split over ranks differently: every optimizer
+    # update sees the same samples in the same order, but each rank sees others than before.
+    GLOBAL_BATCH_EXACT = "global-batch-exact"
+    # The global batch or the accumulation changed: the stream resumes at the same position, but update
+    # boundaries (and the samples dropped at each epoch's end) differ from the original run.
+    NOT_EXACT = "not-exact"
+
+    @classmethod
+    def of_resume(cls, before: BatchArithmetic, after: BatchArithmetic) -> Continuation:
+        if before == after:
+            return cls.SAMPLE_EXACT
+        same_updates = before.grad_accum_steps == after.grad_accum_steps
+        if same_updates and before.samples_per_loop_step == after.samples_per_loop_step:
+            return cls.GLOBAL_BATCH_EXACT
+        return cls.NOT_EXACT
+
+    def describe(self) -> str:
+        return {
+            "sample-exact": "every rank sees the samples it would have seen",
+            "global-batch-exact": "every optimizer update sees the same samples in the same order, split over the "
+                                  "ranks differently",
+            "not-exact": "the stream continues at the same position, but optimizer updates group its samples "
+                         "differently",
+        }[self.value]

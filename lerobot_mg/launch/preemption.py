@@ -24,8 +24,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from lerobot_mg.accounting.ledger import ResumeCause
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.run_facts import ResumeCause
 
 logger = logging.getLogger(__name__)
 

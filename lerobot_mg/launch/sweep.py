@@ -16,11 +16,11 @@ from pathlib import Path
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from lerobot_mg.accounting.ledger import ResumeCause
 from lerobot_mg.checkpoint import layout
 from lerobot_mg.checkpoint.state import read_json
 from lerobot_mg.config.validate import check_sweep_point
 from lerobot_mg.launch.preemption import resume_cause
+from lerobot_mg.run_facts import ResumeCause
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,6 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     config_class: ClassVar[type]
     # Class names of the repeated blocks FSDP shards as units; the rest stays in the root unit.
     _fsdp_wrap_modules: ClassVar[list[str]] = []
-    # Methods besides forward() that run the network. FSDP2 unshards parameters only around forward(), so
-    # whoever wraps the policy must pass each of these to `register_fsdp_forward_method`.
-    _fsdp_forward_methods: ClassVar[list[str]] = ["predict_action_chunk"]
     # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null.
     _peft_target_modules: ClassVar[list[str]] = []
 

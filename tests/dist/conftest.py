@@ -8,7 +8,6 @@ count as zero error), which keeps the mean of per-rank losses equal to the one-p
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch_utils import TINY_RUN, last_weights, run_train, shared_by_workers
+from lerobot_mg.accounting.ledger import read_ledger
+from tests.launch_utils import TINY_RUN, interval_metrics, last_weights, run_train, shared_by_workers
 
 DETERMINISTIC_RUN = [
     *TINY_RUN,
@@ -54,11 +54,11 @@ class Run:
     stdout: str
 
     def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+        return interval_metrics(self.output_dir)
 
-    def ledger(self, kind: str) -> list[dict]:
-        records = [json.loads(line) for line in (self.output_dir / "ledger.jsonl").read_text().splitlines()]
-        return [r for r in records if r["kind"] == kind]
+    def digests(self) -> list[str]:
+        """What the loaders delivered, one digest per optimizer update."""
+        return [update.digest for update in read_ledger(self.output_dir).updates]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return last_weights(self.output_dir)

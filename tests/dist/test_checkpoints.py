@@ -145,17 +145,14 @@ def test_checkpoint_tree_matches_the_guide(name: str, tmp_path_factory: pytest.T
     last = root / "last"
     info = read_json(last / "training_state" / "training_step.json")
     assert info["step"] == spec.steps
-    assert (info["dp_world_size"], info["batch_size"], info["gradient_accumulation_steps"]) == (
-        dp_replicate * dp_shard, batch_size, 1
-    )
-    assert info["effective_batch_size"] == dp_replicate * dp_shard * batch_size
-    assert info["mixed_precision"] == precision
-    assert info["world_size"] == world_size
-    assert (info["topology"]["layout"], info["topology"]["dp_replicate"], info["topology"]["dp_shard"]) == (
-        layout, dp_replicate, dp_shard
-    )
-    assert len(info["code_revision"]["commit"]) == 40
-    assert len(info["dataset_fingerprint"]) >= 8
+    facts = info["facts"]
+    assert facts["batch"] == {"batch_size": batch_size, "dp_world_size": dp_replicate * dp_shard, "grad_accum_steps": 1,
+                              "effective_batch_size": dp_replicate * dp_shard * batch_size}
+    assert facts["precision"] == precision
+    assert facts["topology"] == {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "world_size": world_size,
+                                 "layout": layout}
+    assert len(facts["code_revision"]["commit"]) == 40
+    assert len(facts["dataset_fingerprint"]) >= 8
     assert info["progress"]["step"] == info["progress"]["optimizer_updates"] == spec.steps
     assert info["sampler"]["offset"] == (spec.steps * 16) % 416  # 420 frames, drop_last to 26 global batches of 16
 

@@ -50,7 +50,7 @@ from lerobot_mg.distributed.accelerator import (
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.step import Stepper
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
-from tests.launch_utils import PYTHON, REPO, clean_env, free_port, last_weights, run_train
+from tests.launch_utils import PYTHON, REPO, clean_env, free_port, interval_metrics, last_weights, run_train
 from tests.tolerances import assert_same_series, assert_same_weights
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ def scenario_wrap_checks_and_reduce_dtype() -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.set_custom_reduce_scatter(recorder)  # the root unit accelerate wrapped
-    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg.optimizer.grad_clip_norm, dims)
     logs = stepper.step(_toy_batch(0, dims.rank))
     result.update(
         units=units,
@@ -223,7 +223,7 @@ def scenario_ignored_modules() -> dict[str, Any]:
     shard_units(accelerator, model, fsdp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
-    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg.optimizer.grad_clip_norm, dims)
     ignored_ids = {id(p) for p in stepper.ignored_params}
     ignored_names = [name for name, p in model.named_parameters() if id(p) in ignored_ids]
     sharded_names = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
@@ -292,7 +292,7 @@ def _fp16_overflow(dp_shard: int) -> dict[str, Any]:
         shard_units(accelerator, model, cfg.accelerator.fsdp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
-    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg.optimizer.grad_clip_norm, dims)
     result: dict[str, Any] = {
         "distributed_type": str(accelerator.distributed_type),
         "scaler": f"{type(accelerator.scaler).__name__}({accelerator.scaler._device})",
@@ -399,10 +399,6 @@ def fp16_overflow(
     return _run_scenario(f"fp16_overflow_{request.param}", tmp_path_factory.mktemp("fsdp") / request.param)
 
 
-def _metrics(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.dist
 def test_size_based_wrap_with_reshard_and_cpu_offload_trains_like_ddp(
     layout_run: Callable[[str], Run], tmp_path: Path
@@ -429,7 +425,7 @@ def test_size_based_wrap_with_reshard_and_cpu_offload_trains_like_ddp(
 
     assert "FSDP wrap units (accelerator.fsdp.min_num_params=40000): 2 units, e.g. model.encoder" in fsdp.stdout
     assert "topology: FSDP2: 2 shards" in fsdp.stdout
-    fsdp_metrics, ddp_metrics = _metrics(tmp_path / "fsdp"), ddp.metrics()
+    fsdp_metrics, ddp_metrics = interval_metrics(tmp_path / "fsdp"), ddp.metrics()
     assert [m["step"] for m in fsdp_metrics] == [m["step"] for m in ddp_metrics] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm"):  # bounds: tests/tolerances.py
         assert_same_series([m[key] for m in fsdp_metrics], [m[key] for m in ddp_metrics], list(range(6)), key)

@@ -6,7 +6,6 @@ torchrun of scripts/train.py (``layout_run("ddp_b4")``): same losses, same weigh
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
-from tests.launch_utils import TINY_RUN, last_weights, run_train
+from tests.launch_utils import TINY_RUN, interval_metrics, last_weights, run_train
 
 if TYPE_CHECKING:
     from tests.dist.conftest import Run
@@ -33,8 +32,7 @@ def _assert_same_run(output_dir: Path, stdout: str, reference: Run) -> None:
     assert "batch: batch_size 4 x dp_world_size 2 x grad_accum 1 = effective batch 8" in stdout
     losses = [m["loss"] for m in reference.metrics()]
     assert len(losses) == 6
-    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["loss"] for m in metrics] == losses
+    assert [m["loss"] for m in interval_metrics(output_dir)] == losses
     weights, expected = last_weights(output_dir), reference.weights()
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)

@@ -120,7 +120,7 @@ def test_resume_is_bit_exact_on_the_same_topology(name: str, tmp_path: Path,
     digests = update_digests(resumed, RESUME_STEP)
     assert len(digests) == spec.steps - RESUME_STEP
     assert digests == update_digests(reference, RESUME_STEP)
-    assert read_ledger(resumed).last_start.loop_step == RESUME_STEP
+    assert read_ledger(resumed).segments[-1].start.progress.step == RESUME_STEP
 
 
 def _norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -153,8 +153,9 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
         "parallelism.dp_shard=2", "batch_size=4"], nproc=4)
     assert_tensors_equal(model, load_file(str(ckpt / "000004/pretrained_model/model.safetensors")), "HSDP model")
     assert_tensors_equal(optimizer, optimizer_tensors(ckpt / "000004"), "HSDP optimizer")
-    assert "Resuming on a new topology" in log
-    assert "Data sampler resumed global-batch-exact at epoch 0, sample offset 64" in log
+    assert ("topology changed at resume (step 4): FSDP2: 2 shards -> HSDP: 2 replicas x 2 shards (mesh dp_replicate "
+            "x dp_shard)") in log
+    assert "Data sampler resumed global-batch-exact at epoch 0, sample offset 64: every optimizer update sees" in log
 
     log, model, optimizer = _probe(tmp_path, "single_load", [
         *resume_args(chain, 6), "steps=8", "parallelism.dp_shard=1", "parallelism.dp_replicate=1",
@@ -175,8 +176,8 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
     # Not bit-exact across topologies (another split of the global batch sums in another order), but the same
     # training (bounds: tests/tolerances.py): measured loss differences ~1e-7 relative, weight drift ~3e-4 x the
     # weights' movement.
-    chain_losses = {r.loop_step: r.loss for r in read_ledger(chain).intervals}
-    reference_losses = {r.loop_step: r.loss for r in read_ledger(reference).intervals}
+    chain_losses = {r.progress.step: r.metrics["loss"] for r in read_ledger(chain).intervals}
+    reference_losses = {r.progress.step: r.metrics["loss"] for r in read_ledger(reference).intervals}
     assert chain_losses.keys() == reference_losses.keys() == {2, 4, 6, 8, 10}
     steps = sorted(reference_losses)  # each interval's loss averages loop steps step-1 and step
     assert_same_series([chain_losses[s] for s in steps], [reference_losses[s] for s in steps],

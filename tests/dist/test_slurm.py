@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lerobot_mg.accounting.ledger import ResumeCause, read_ledger
+from lerobot_mg.accounting.ledger import read_ledger
+from lerobot_mg.run_facts import ResumeCause
 from lerobot_mg.launch.submitit_launcher import ACTIVE_STATES, slurm_states
 from tests.launch_utils import PYTHON, REPO, TINY_RUN, TRAIN_SCRIPT, clean_env, last_weights, run_train
 

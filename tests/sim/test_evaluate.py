@@ -121,13 +121,15 @@ def test_policy_with_inputs_the_simulation_lacks_is_rejected(tmp_path: Path) -> 
 
 def test_eval_command_on_the_expert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
-    assert eval_main(["--expert", "--n_episodes", "2", "--out", str(out)]) == 0
+    assert eval_main(["expert=true", "n_episodes=2", f"--out={out}"]) == 0
     printed = capsys.readouterr().out
     assert "success 2/2 (100.0%)" in printed and "seeds 100000..100001" in printed
     report = json.loads(out.read_text())
     assert report["num_successes"] == 2 and report["videos"] == []
-    assert eval_main(["--policy_path", str(tmp_path / "missing"), "--n_episodes", "1"]) == 2
+    assert eval_main([f"--policy_path={tmp_path / 'missing'}", "--n_episodes=1"]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    assert eval_main(["n_episodes=1"]) == 2
+    assert "lerobot-mg-eval: error: give exactly one of policy_path=" in capsys.readouterr().err
 
 
 def test_image_policy_watches_the_rendered_camera(tmp_path: Path) -> None:

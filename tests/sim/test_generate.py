@@ -133,16 +133,14 @@ def test_invalid_arguments_are_reported(tmp_path: Path) -> None:
 
 
 def test_make_dataset_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        make_dataset_main(["--root", str(tmp_path / "cli"), "--num_episodes", "1", "--seed_start", "3"]) == 0
-    )
+    assert make_dataset_main([f"root={tmp_path / 'cli'}", "num_episodes=1", "seed_start=3"]) == 0
     assert "1 episodes, 400 frames (generated in" in capsys.readouterr().out
-    assert (
-        make_dataset_main(["--root", str(tmp_path / "cli"), "--num_episodes", "1", "--seed_start", "3"]) == 0
-    )
+    # LeRobot's spelling is the same command.
+    assert make_dataset_main([f"--root={tmp_path / 'cli'}", "--num_episodes=1", "--seed_start=3"]) == 0
     assert "(reused); 0 failed demos discarded" in capsys.readouterr().out
-    assert make_dataset_main(["--root", str(tmp_path / "cli"), "--num_episodes", "2"]) == 2
-    assert "already holds a generated dataset" in capsys.readouterr().err
+    assert make_dataset_main([f"root={tmp_path / 'cli'}", "num_episodes=2"]) == 2
+    assert "lerobot-mg-make-dataset: error: " in (err := capsys.readouterr().err)
+    assert "already holds a generated dataset" in err
 
 
 def test_package_imports_without_the_sim_extra(tmp_path: Path) -> None:

@@ -264,7 +264,6 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
     class_names = {type(module).__name__ for module in policy.modules()}
     assert set(ACTPolicy._fsdp_wrap_modules) == {"ACTEncoderLayer", "ACTDecoderLayer"}
     assert set(ACTPolicy._fsdp_wrap_modules) <= class_names
-    assert all(callable(getattr(policy, name)) for name in ACTPolicy._fsdp_forward_methods)
     # Tied weights cannot be split across FSDP units: ACT must have none.
     all_params = [param for _, param in policy.named_parameters(remove_duplicate=False)]
     assert len({id(param) for param in all_params}) == len(all_params)

@@ -59,7 +59,7 @@ class Run:
 
     def save(self, step: int) -> Path:
         train_one_step(self.policy, self.optimizer)
-        info = {"step": step, "topology": {"dp_replicate": 1, "dp_shard": 1, "layout": "single"}}
+        info = {"step": step, "facts": {"topology": {"dp_replicate": 1, "dp_shard": 1, "world_size": 1}}}
         items = SaveItems(self.policy, None, None, None, None, {"steps": 10}, info)
         return self.manager.save(step, self.policy, self.optimizer, items)
 
@@ -190,7 +190,7 @@ def step_dir(tmp_path: Path) -> Path:
 def _mark_sharded(step_dir: Path) -> None:
     marker = step_dir / "training_state" / "training_step.json"
     info = json.loads(marker.read_text())
-    info["topology"] = {"dp_replicate": 1, "dp_shard": 2, "layout": "fsdp"}
+    info["facts"]["topology"] = {"dp_replicate": 1, "dp_shard": 2, "world_size": 2}
     marker.write_text(json.dumps(info))
 
 
@@ -202,6 +202,14 @@ def test_refuses_an_incomplete_checkpoint(step_dir: Path) -> None:
     (step_dir / "training_state" / "training_step.json").unlink()
     with pytest.raises(ValueError, match=r"training_step.json is missing: .* is not a complete checkpoint \(a save was "
                                          r"interrupted\). Fix: resume from config_path=.*/checkpoints/last/"):
+        check_resumable(step_dir)
+
+
+def test_refuses_a_checkpoint_without_run_facts(step_dir: Path) -> None:
+    marker = step_dir / "training_state" / "training_step.json"
+    marker.write_text(json.dumps({"step": 4, "topology": {"dp_shard": 1}}))  # the layout before RunFacts
+    with pytest.raises(ValueError, match=r"training_step.json holds no run facts: the checkpoint was written by an older "
+                                         r"lerobot_mg. Fix: resume it with that version"):
         check_resumable(step_dir)
 
 

@@ -16,9 +16,9 @@ from lerobot_mg.checkpoint.convert import (
     convert_checkpoint,
     hub_upload_files,
     main,
-    parse_args,
     read_dcp_tensors,
 )
+from lerobot_mg.cli import parse
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.policies.registry import load_policy
@@ -69,7 +69,7 @@ def test_delete_dcp_leaves_a_loadable_directory(tmp_path: Path) -> None:
     policy = tiny_policy()
     pretrained = dcp_checkpoint(tmp_path / "000010", policy)
 
-    main([f"--checkpoint_dir={pretrained}", "--delete_dcp=true"])  # the pretrained_model/ directory works too
+    assert main([f"--checkpoint_dir={pretrained}", "--delete_dcp=true"]) == 0  # pretrained_model/ works too
 
     assert sorted(p.name for p in pretrained.iterdir()) == ["config.json", "model.safetensors"]
     loaded = load_policy(pretrained)
@@ -148,27 +148,33 @@ def test_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
     ],
 )
 def test_arguments_in_both_spellings(argv: list[str]) -> None:
-    assert parse_args(argv) == ConvertArgs(Path("/runs/a/checkpoints/last"), True, "me/policy")
+    assert parse(ConvertArgs, argv) == ConvertArgs(Path("/runs/a/checkpoints/last"), True, "me/policy")
 
 
-def test_argument_defaults_and_errors() -> None:
-    assert parse_args(["checkpoint_dir=x"]) == ConvertArgs(Path("x"), False, None)
-    with pytest.raises(ValueError, match=r"checkpoint_dir is required. Fix: checkpoint_dir="):
-        parse_args(["delete_dcp=true"])
+def test_argument_defaults_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(ConvertArgs, ["checkpoint_dir=x"]) == ConvertArgs(Path("x"), False, None)
+    with pytest.raises(ValueError, match=r"checkpoint_dir is required. Fix: checkpoint_dir=<path>"):
+        parse(ConvertArgs, ["delete_dcp=true"])
     with pytest.raises(ValueError, match=r"delete_dcp=maybe: expected true or false. Fix: delete_dcp=true"):
-        parse_args(["checkpoint_dir=x", "delete_dcp=maybe"])
+        parse(ConvertArgs, ["checkpoint_dir=x", "delete_dcp=maybe"])
     with pytest.raises(ValueError, match=r"push_to_hub=policy: expected a repo id <user>/<repo>"):
-        parse_args(["checkpoint_dir=x", "push_to_hub=policy"])
+        parse(ConvertArgs, ["checkpoint_dir=x", "push_to_hub=policy"])
     with pytest.raises(ValueError, match=r"output=y: unknown argument; the arguments are checkpoint_dir"):
-        parse_args(["checkpoint_dir=x", "output=y"])
+        parse(ConvertArgs, ["checkpoint_dir=x", "output=y"])
     with pytest.raises(ValueError, match=r"argument 'x' is not key=value"):
-        parse_args(["x"])
+        parse(ConvertArgs, ["x"])
+    # The command turns them into one line and exit status 2.
+    assert main(["checkpoint_dir=x", "delete_dcp=maybe"]) == 2
+    assert capsys.readouterr().err == "lerobot-mg-convert-dcp: error: delete_dcp=maybe: expected true or false. Fix: delete_dcp=true\n"
 
 
-def test_help_starts_with_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--help"])
+def test_help_starts_with_the_commands_and_lists_the_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.index("lerobot-mg-convert-dcp checkpoint_dir=") < out.index("re-read and compared")
+    assert "  checkpoint_dir=<path>  (required) a step directory" in out
+    assert "  delete_dcp=<true|false>  (default: false) remove the shards" in out
+    assert "  push_to_hub=<text>  (default: null) <user>/<repo>" in out
 
 
 def test_hub_upload_selects_safetensors_json_and_md_only(tmp_path: Path) -> None:
@@ -182,11 +188,12 @@ def test_hub_upload_selects_safetensors_json_and_md_only(tmp_path: Path) -> None
     ]
 
 
-def test_push_without_huggingface_hub_fails_before_merging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_push_without_huggingface_hub_fails_before_merging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     pretrained = dcp_checkpoint(tmp_path / "000010", tiny_policy())
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
 
-    with pytest.raises(SystemExit, match=r"push_to_hub=me/policy: huggingface_hub is not installed. Fix: pip install"):
-        main([f"checkpoint_dir={tmp_path / '000010'}", "push_to_hub=me/policy", "delete_dcp=true"])
+    assert main([f"checkpoint_dir={tmp_path / '000010'}", "push_to_hub=me/policy", "delete_dcp=true"]) == 2
+    assert "push_to_hub=me/policy: huggingface_hub is not installed. Fix: pip install" in capsys.readouterr().err
     assert not (pretrained / "model.safetensors").exists()
     assert (pretrained / "pytorch_model_fsdp_0").is_dir()

@@ -16,6 +16,7 @@ from lerobot_mg.data.testing import (
     tiny_features,
     write_tiny_dataset,
 )
+from lerobot_mg.policies.base import features_from_dataset
 from tests.launch_utils import PUSHT_SLICE
 
 NUMERIC_KEYS = ("observation.state", "action", "observation.environment_state")
@@ -34,7 +35,8 @@ def test_round_trip_values(tiny_dataset: TinyDataset) -> None:
     dataset = LeRobotDataset(tiny_dataset.root)
     assert len(dataset) == sum(TINY_EPISODE_LENGTHS) == 22
     assert dataset.num_episodes == 3 and dataset.fps == TINY_FPS
-    assert dataset.camera_keys == [IMAGE_KEY, VIDEO_KEY]
+    visual = features_from_dataset(dataset.features, None)[0]
+    assert [key for key, spec in visual.items() if spec["type"] == "VISUAL"] == [IMAGE_KEY, VIDEO_KEY]
     for idx in range(len(dataset)):
         item = dataset[idx]
         for key in NUMERIC_KEYS:
@@ -258,7 +260,8 @@ def test_pusht_slice_from_lerobot() -> None:
     assert PUSHT_SLICE.is_dir(), f"the PushT fixture is missing: {PUSHT_SLICE}"
     dataset = LeRobotDataset(PUSHT_SLICE, delta_timestamps={"action": [k / 10 for k in range(5)]})
     assert len(dataset) == 420 and dataset.num_episodes == 3
-    assert dataset.camera_keys == ["observation.image"]
+    visual = features_from_dataset(dataset.features, None)[0]
+    assert [key for key, spec in visual.items() if spec["type"] == "VISUAL"] == ["observation.image"]
     item = dataset[0]
     image = item["observation.image"]
     assert image.shape == (3, 96, 96) and image.dtype == torch.float32

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.parallel_dims import ParallelDims, Topology
 
 
 @pytest.mark.parametrize(
@@ -55,12 +57,12 @@ def test_layout_flags_and_descriptions() -> None:
 
 
 def test_saveable_topology_has_no_ranks() -> None:
-    """to_dict() goes into checkpoints: two ranks of one run must write the same topology."""
-    rank0 = ParallelDims.resolve(2, 2, 4, rank=0, local_rank=0).to_dict()
-    rank3 = ParallelDims.resolve(2, 2, 4, rank=3, local_rank=1).to_dict()
-    assert rank0 == rank3 == {
-        "dp_replicate": 2, "dp_shard": 2, "world_size": 4, "layout": "hsdp", "dp_world_size": 4,
-    }
+    """The topology goes into checkpoints and the ledger: two ranks of one run must write the same one."""
+    rank0 = ParallelDims.resolve(2, 2, 4, rank=0, local_rank=0).topology
+    rank3 = ParallelDims.resolve(2, 2, 4, rank=3, local_rank=1).topology
+    assert rank0 == rank3 == Topology(2, 2, 4)
+    assert asdict(rank0) == {"dp_replicate": 2, "dp_shard": 2, "world_size": 4, "layout": "hsdp"}
+    assert rank0.describe() == "HSDP: 2 replicas x 2 shards (mesh dp_replicate x dp_shard)"
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_are_refused() -> None:

@@ -1,0 +1,137 @@
+"""One argument style for every console command besides training: ``key=value`` (Hydra's spelling) and
+``--key=value`` (LeRobot's), read into the command's argument dataclass.
+
+``lerobot-mg-train`` composes with Hydra, which takes both spellings too (``config/loading.normalize_argv``).
+Here a dataclass field is a key: its type converts the value (``true``/``false`` for flags, ``[a,b]`` or ``a,b``
+for lists, ``null`` for an optional value) and ``metadata={"help": ...}`` documents it in ``--help``. The
+spellings of argparse days still work: ``--key value``, ``--key a b`` for a list, a bare ``--flag``, dashes for
+underscores. A field with ``metadata={"positional": True}`` also collects bare arguments (run directories).
+Errors name the key, the bad value and the fix; the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def run(args_type: type[T], body: Callable[[T], int | None], prog: str, doc: str | None = None,
+        argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line) into ``args_type``, call ``body``; returns the exit status.
+
+    A ValueError (a user error: a bad argument, a missing file) prints ``<prog>: error: ...`` and gives 2.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(help_text(args_type, prog, doc))
+        return 0
+    try:
+        return body(parse(args_type, argv)) or 0
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def parse(args_type: type[T], argv: Sequence[str]) -> T:
+    fields = {f.name: f for f in dataclasses.fields(args_type)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(args_type)
+    positional = next((name for name, f in fields.items() if f.metadata.get("positional")), None)
+    raw: dict[str, list[str]] = {}
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
+        position += 1
+        if "=" in arg or arg.startswith("--"):
+            key, equals, value = arg.removeprefix("--").partition("=")
+            key = key.replace("-", "_")
+            if key not in fields:
+                raise ValueError(f"{arg}: unknown argument; the arguments are {', '.join(fields)}.")
+            values = [value] if equals else []
+            while not equals and position < len(argv) and _takes(hints[key], values, argv[position]):
+                values.append(argv[position])
+                position += 1
+            raw[key] = values or ["true"]
+        elif positional is not None:
+            raw.setdefault(positional, []).append(arg)
+        else:
+            raise ValueError(f"argument {arg!r} is not key=value. Fix: {next(iter(fields))}=<value>")
+    missing = [name for name, f in fields.items() if name not in raw and _required(f)]
+    if missing:
+        raise ValueError(f"{missing[0]} is required. Fix: {missing[0]}=<{_kind(hints[missing[0]])}>")
+    return args_type(**{key: _convert(key, hints[key], values, fields[key]) for key, values in raw.items()})
+
+
+def help_text(args_type: type, prog: str, doc: str | None) -> str:
+    hints = typing.get_type_hints(args_type)
+    lines = [f"usage: {prog} key=value ... (or --key=value)", "", (doc or args_type.__doc__ or "").strip(), "",
+             "keys:"]
+    for f in dataclasses.fields(args_type):
+        default = "required" if _required(f) else f"default: {_default(f)}"
+        kind = "|".join(f.metadata["choices"]) if "choices" in f.metadata else _kind(hints[f.name])
+        lines.append(f"  {f.name}=<{kind}>  ({default}) {f.metadata.get('help', '')}".rstrip())
+    return "\n".join(lines)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field) -> Any:
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+
+
+def _optional(hint: Any) -> tuple[Any, bool]:
+    """(X, True) for ``X | None``, else (hint, False)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def _takes(hint: Any, values: list[str], token: str) -> bool:
+    """Whether ``--key`` (no ``=``) takes ``token`` as its next value: ``--key value``, ``--key a b`` for a list,
+    ``--flag true``; a bare ``--flag`` means true."""
+    if "=" in token or token.startswith("--"):
+        return False
+    inner = _optional(hint)[0]
+    if inner is bool:
+        return not values and token.lower() in _TRUE + _FALSE
+    return not values or typing.get_origin(inner) is list
+
+
+def _kind(hint: Any) -> str:
+    hint, _ = _optional(hint)
+    if typing.get_origin(hint) is list:
+        return f"[{_kind(typing.get_args(hint)[0])},...]"
+    return {bool: "true|false", int: "int", float: "float", Path: "path"}.get(hint, "text")
+
+
+def _convert(key: str, hint: Any, values: list[str], f: dataclasses.Field) -> Any:
+    hint, optional = _optional(hint)
+    if optional and values == ["null"]:
+        return None
+    if typing.get_origin(hint) is list:
+        if len(values) == 1:  # key=[a,b] (Hydra) or key=a,b
+            values = [item.strip() for item in values[0].strip("[]").split(",") if item.strip()]
+        return [_convert(key, typing.get_args(hint)[0], [value], f) for value in values]
+    (value,) = values
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{key}={value}: expected one of {', '.join(choices)}. Fix: {key}={choices[0]}")
+    if hint is bool:
+        if value.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"{key}={value}: expected true or false. Fix: {key}=true")
+        return value.lower() in _TRUE
+    try:
+        return hint(value)
+    except ValueError:
+        raise ValueError(f"{key}={value}: expected {_kind(hint)}. Fix: {key}=<{_kind(hint)}>") from None

@@ -1,0 +1,149 @@
+"""The facts of one start of a run, built once by train() and written with ``dataclasses.asdict`` wherever they go.
+
+A learning curve can only be attributed to the code, data and layout recorded with it (seeds/comparing-runs.md).
+The banner prints ``RunFacts``; ``train_config.json`` (``run_facts``), every checkpoint's ``training_step.json``
+and the ledger's start record (lerobot_mg/accounting) carry it; ``from_dict`` reads any of them back. What changed
+at a resume is computed once, as typed ``FactChange``s that the start-up log and the comparison report render.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import types
+import typing
+from dataclasses import dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
+
+T = TypeVar("T")
+_REPO_DIR = Path(__file__).resolve().parents[1]  # the checkout this package runs from
+
+
+@dataclass
+class Progress:
+    """Loop counters at the end of a loop step."""
+
+    step: int = 0
+    samples_seen: int = 0
+    optimizer_updates: int = 0
+    skipped_updates: int = 0  # fp16 overflow: the scaler skipped the optimizer step
+
+
+@dataclass(frozen=True)
+class CodeRevision:
+    """The git commit a run started from and whether the tree was dirty; None where git cannot tell."""
+
+    commit: str | None
+    dirty: bool | None
+
+    @classmethod
+    def of_checkout(cls, repo_dir: Path = _REPO_DIR) -> CodeRevision:
+        """Never raises. Untracked files count as dirty (a new module changes what runs); ignored ones do not."""
+
+        def git(*args: str) -> str | None:
+            try:
+                done = subprocess.run(["git", "-C", str(repo_dir), *args], capture_output=True, text=True, timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            return done.stdout if done.returncode == 0 else None
+
+        if git("rev-parse", "--is-inside-work-tree") is None:
+            return cls(None, None)
+        head, status = git("rev-parse", "--verify", "--quiet", "HEAD"), git("status", "--porcelain")
+        return cls(head.strip() if head else None, None if status is None else bool(status.strip()))
+
+    def describe(self) -> str:
+        text = "unknown" if self.commit is None else self.commit[:12]
+        return text + (" (dirty)" if self.dirty else " (dirty: unknown)" if self.dirty is None else "")
+
+
+class ResumeCause(str, Enum):
+    """Why a run resumed."""
+
+    REQUESTED = "requested"  # resume=true config_path=... on the command line
+    PREEMPTION = "preemption"  # the last attempt saved on the preemption/time-limit signal; the job was requeued
+    REQUEUE = "requeue"  # SLURM restarted the job (node failure, scontrol requeue) from its last periodic checkpoint
+    RELAUNCH = "relaunch"  # the same sweep job directory was launched again
+
+
+@dataclass(frozen=True)
+class FactChange:
+    """One fact that differs from the start a run resumed."""
+
+    name: str
+    before: Any
+    after: Any
+
+    def describe(self, where: str) -> str:
+        return f"{self.name.replace('_', ' ')} changed {where}: {describe(self.before)} -> {describe(self.after)}"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    batch: BatchArithmetic
+    topology: Topology
+    precision: str
+    checkpoint_format: str
+    code_revision: CodeRevision
+    dataset_fingerprint: str
+    lr_schedule: dict
+    model: dict  # parameter counts, the base model path and PEFT settings (lerobot_mg.peft.build.describe_finetune)
+    rank_bytes: tuple[dict, ...]  # what each rank holds: parameter bytes, trainable and total
+    resumed_from: str | None = None  # the checkpoint this start resumed; None for a fresh start
+    continuation: Continuation | None = None  # how exactly that resume continues the sample stream
+    resume_cause: ResumeCause | None = None  # why it resumed
+
+    def changes_since(self, before: RunFacts) -> tuple[FactChange, ...]:
+        """The facts that differ from ``before``'s (the start this one resumed). Where from, how exactly and why a
+        start resumed differ by nature; the bytes per rank follow from the model and the topology."""
+        compared = [f.name for f in fields(self) if f.name not in (
+            "rank_bytes", "resumed_from", "continuation", "resume_cause")]
+        return tuple(FactChange(name, getattr(before, name), getattr(self, name)) for name in compared
+                     if getattr(before, name) != getattr(self, name))
+
+    def describe(self) -> list[str]:
+        return [f"topology: {self.topology.describe()} (world size {self.topology.world_size})",
+                f"batch: {self.batch.describe()}",
+                f"precision: {self.precision}  checkpoint format: {self.checkpoint_format}",
+                f"code: {self.code_revision.describe()}  dataset: {self.dataset_fingerprint}",
+                f"lr schedule: {describe(self.lr_schedule)}"]
+
+
+def describe(value: Any) -> str:
+    """A fact as text: its own description; an lr schedule as its type and ``key=value`` pairs; else str()."""
+    if hasattr(value, "describe"):
+        return value.describe()
+    if isinstance(value, dict):
+        return " ".join(str(item) if key == "type" else f"{key}={item}" for key, item in value.items())
+    return str(value)
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """``cls(**data)`` for nested dataclasses: fields typed as a dataclass, an enum or a tuple of them are rebuilt;
+    derived fields (``init=False``) and keys ``cls`` lacks are skipped."""
+    hints = _type_hints(cls)
+    return cls(**{f.name: _typed(hints[f.name], data[f.name]) for f in fields(cls) if f.init and f.name in data})
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates the annotation strings: once per class, not once per record
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]
+        return tuple(_typed(typing.get_args(hint)[0], item) for item in value)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for candidate in typing.get_args(hint) if union else (hint,):
+        if dataclasses.is_dataclass(candidate):
+            return from_dict(candidate, value)
+        if isinstance(candidate, type) and issubclass(candidate, Enum):
+            return candidate(value)
+    return value
