@@ -51,12 +51,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
     set_seed(cfg.seed)  # identical initial weights on every rank (FSDP shards each rank's own copy)
     accelerator = build_accelerator(cfg.accelerator, dims)  # collective
-    output_dir = (
-        layout.run_dir_from_checkpoint(resume.step_dir)
-        if resume is not None
-        else agree_on_output_dir(str(sweep_job.run_dir) if sweep_job else cfg.output_dir, cfg.job_name,
-                                 dims.is_main_process, dims.is_distributed)
-    )
+    output_dir = _output_dir(cfg, resume, sweep_job, dims)  # collective
     attach_run_log(output_dir, dims.is_main_process)
     record_placement(accelerator, dims, output_dir)  # collective
     preemption = PreemptionWatch(dims, accelerator.device, cfg.accelerator.gradient_accumulation.steps)
@@ -145,6 +140,15 @@ def _resume_point(cfg: TrainConfig) -> ResumePoint | None:
         raise config_error("steps", cfg.steps, f"the checkpoint to resume is already at loop step {saved['step']}",
                            f"steps=<more than {saved['step']}>")
     return ResumePoint(step_dir, Progress(**saved["progress"]), saved["sampler"], from_dict(RunFacts, saved["facts"]))
+
+
+def _output_dir(cfg: TrainConfig, resume: ResumePoint | None, sweep_job: SweepJob | None, dims: ParallelDims) -> Path:
+    """The resumed run's directory, the sweep job's, output_dir, or a new one named by the main process.
+    Collective when distributed and none is given."""
+    if resume is not None:
+        return layout.run_dir_from_checkpoint(resume.step_dir)
+    requested = str(sweep_job.run_dir) if sweep_job is not None else cfg.output_dir
+    return agree_on_output_dir(requested, cfg.job_name, dims.is_main_process, dims.is_distributed)
 
 
 def _run_facts(cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset, policy: torch.nn.Module,

@@ -152,7 +152,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
-    record_sample_digests: bool = True  # a digest of the sample indices of every optimizer update
+    record_sample_digests: bool = True  # a digest of the index values the DataLoaders delivered, per optimizer update
 
 
 @dataclass

@@ -32,6 +32,7 @@ from tests.launch_utils import (
     TRAIN_SCRIPT,
     clean_env,
     free_port,
+    interval_metrics,
     kill_tree,
     last_weights,
 )
@@ -89,8 +90,7 @@ def test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run(layout_run: Cal
         assert (run_dir / "config.yaml").is_file() and _last_step(run_dir) == 6
         assert [s.start.kind for s in read_ledger(run_dir).segments] == ["start"]
         # Nothing of an earlier point leaked into this one: it is the standalone run, bit for bit.
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [m["loss"] for m in metrics] == [m["loss"] for m in reference.metrics()]
+        assert [m["loss"] for m in interval_metrics(run_dir)] == [m["loss"] for m in reference.metrics()]
         weights, expected = last_weights(run_dir), reference.weights()
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 

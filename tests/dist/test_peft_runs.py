@@ -118,7 +118,7 @@ def test_lora_trains_the_adapter_only(lora_run, bases: Bases, name: str) -> None
     base = (bases.converted if name == "single" else bases.gathered).resolve()
     assert (f"base model: {base} (LORA r=4 lora_alpha=4 on ['linear1', 'linear2'], full training "
             "['action_head'])") in run.stdout
-    model = run.start_record()["model"]
+    model = run.start_record()["facts"]["model"]
     assert model["base_model_path"] == str(base)
     assert 0 < model["trainable_params"] < model["total_params"] / 10
 
@@ -153,9 +153,9 @@ def _dataset_loss(pretrained: Path) -> float:
 
 
 def test_sharded_runs_hold_a_shard_of_the_frozen_base(lora_run) -> None:  # noqa: ANN001
-    whole = lora_run("single").start_record()["model"]["rank_bytes"][0]["parameters"]
+    whole = lora_run("single").start_record()["facts"]["rank_bytes"][0]["parameters"]
     for name in ("fsdp2", "hsdp2x2"):
-        per_rank = [held["parameters"] for held in lora_run(name).start_record()["model"]["rank_bytes"]]
+        per_rank = [held["parameters"] for held in lora_run(name).start_record()["facts"]["rank_bytes"]]
         assert len(per_rank) == RUNS[name][0] and all(held < 0.55 * whole for held in per_rank), (per_rank, whole)
         assert f"parameter MiB per rank: [{', '.join(f'{b / 2**20:.2f}' for b in per_rank)}]" in lora_run(name).stdout
 
@@ -231,7 +231,8 @@ def test_resume_reshards_hsdp_shards_to_one_process(lora_run, tmp_path: Path) ->
     resumed = _resume(lora_run("hsdp2x2"), tmp_path / "resharded", SAVE_FREQ,
                       ["parallelism.dp_replicate=1", "parallelism.dp_shard=1", "checkpoint.format=safetensors",
                        "batch_size=8"], nproc=1)
-    assert "Resuming on a new topology" in resumed.stdout
+    assert (f"topology changed at resume (step {SAVE_FREQ}): HSDP: 2 replicas x 2 shards (mesh dp_replicate x "
+            "dp_shard) -> single process") in resumed.stdout
     assert_same_weights(resumed.adapter(), lora_run("single").adapter(), STEPS, LR)
 
 

@@ -85,8 +85,9 @@ class Sweep:
 
 
 def _metric_lines(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+    """Interval records in the run's ledger so far: one per log step."""
+    path = run_dir / "ledger.jsonl"
+    return path.read_text().count('"kind": "interval"') if path.is_file() else 0
 
 
 def _task_pids(array_id: str, array_task: int | None = None, rank: int | None = None) -> list[int]:
@@ -164,7 +165,8 @@ def test_hsdp_job_trains_checkpoints_exits_0_and_shards_within_nodes(sweep: Swee
     run_dir = sweep.run_dir("reference")
     assert sweep.final_states[sweep.job_id("reference")] == "COMPLETED", sweep.final_states
     step = json.loads((run_dir / "checkpoints/last/training_state/training_step.json").read_text())
-    assert step["step"] == STEPS and step["topology"]["layout"] == "hsdp" and step["world_size"] == 4
+    topology = step["facts"]["topology"]
+    assert step["step"] == STEPS and topology["layout"] == "hsdp" and topology["world_size"] == 4
     assert os.readlink(run_dir / "checkpoints/last") == f"{STEPS:06d}"
     assert (run_dir / "checkpoints/000015/training_state/optimizer_0").is_dir()  # HSDP: per-rank DCP shards
     # The guide's mesh: shard within each node (ranks 0-1 on node 0, 2-3 on node 1), replicate across nodes.
@@ -198,8 +200,8 @@ def test_preempted_job_saves_requeues_and_resumes_bit_identical(sweep: Sweep) ->
     ledger = read_ledger(run_dir)
     assert [s.start.kind for s in ledger.segments] == ["start", "resume"]
     resume = ledger.segments[1].start
-    assert resume.loop_step == stop_step and resume.resume_cause == ResumeCause.PREEMPTION
-    assert resume.resumed_from == str(run_dir / f"checkpoints/{stop_step:06d}")
+    assert resume.progress.step == stop_step and resume.facts.resume_cause == ResumeCause.PREEMPTION
+    assert resume.facts.resumed_from == str(run_dir / f"checkpoints/{stop_step:06d}")
     # Resumed by itself, in the same directory, and it ends at the same total loop steps as the reference...
     progress = json.loads((run_dir / "checkpoints/last/training_state/training_step.json").read_text())["progress"]
     assert progress == json.loads((reference / "checkpoints/last/training_state/training_step.json").read_text())[

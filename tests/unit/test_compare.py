@@ -59,7 +59,8 @@ def simulate_run(
     facts = RunFacts(
         batch=arithmetic, topology=topology or Topology(1, arithmetic.dp_world_size, arithmetic.dp_world_size),
         precision="fp32", checkpoint_format="safetensors", code_revision=CodeRevision(commit, False),
-        dataset_fingerprint=dataset, lr_schedule=SCHEDULE,
+        dataset_fingerprint=dataset, lr_schedule=SCHEDULE, model={"total_params": 10, "trainable_params": 10},
+        rank_bytes=({"parameters": 40},) * arithmetic.dp_world_size,
         resumed_from=f"checkpoints/{start_step:06d}" if start_step else None,
         # What training writes: how exactly this resume continues the stream of the attempt before it.
         continuation=Continuation.of_resume(read_ledger(run_dir).segments[-1].start.facts.batch, arithmetic)

@@ -22,7 +22,7 @@ from lerobot_mg.accounting.ledger import (
     read_ledger,
 )
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
-from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, RunFacts
+from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, ResumeCause, RunFacts
 from lerobot_mg.tracking import LoaderDigests
 
 ARITHMETIC = BatchArithmetic(batch_size=2, dp_world_size=2, grad_accum_steps=2)
@@ -34,6 +34,8 @@ FACTS = RunFacts(
     code_revision=CodeRevision("a" * 40, dirty=False),
     dataset_fingerprint="embedded@v3:1234",
     lr_schedule={"type": "cosine", "lr": 1e-4, "warmup_steps": 2, "total_steps": 100},
+    model={"total_params": 1000, "trainable_params": 1000, "base_model_path": None, "peft": None},
+    rank_bytes=({"parameters": 2000, "trainable_parameters": 2000}, {"parameters": 2000, "trainable_parameters": 2000}),
 )
 
 
@@ -251,7 +253,8 @@ def test_reader_errors_name_the_problem(tmp_path: Path) -> None:
 def test_resume_differences_are_typed_and_rendered_once() -> None:
     resumed = dataclasses.replace(
         FACTS, batch=BatchArithmetic(4, 1, 2), topology=Topology(1, 1, 1), dataset_fingerprint="embedded:xyz",
-        resumed_from="checkpoints/000020", continuation=Continuation.NOT_EXACT)
+        rank_bytes=({"parameters": 4000, "trainable_parameters": 4000},),  # follows from the topology: not a change
+        resumed_from="checkpoints/000020", continuation=Continuation.NOT_EXACT, resume_cause=ResumeCause.PREEMPTION)
     changes = resumed.changes_since(FACTS)
     assert [change.name for change in changes] == ["batch", "topology", "dataset_fingerprint"]
     assert changes[1] == FactChange("topology", Topology(1, 2, 2), Topology(1, 1, 1))
