@@ -36,7 +36,8 @@ def condition_lines(comparison: Comparison) -> list[str]:
         lines.append(f"{label}:")
         for condition in conditions:
             start, facts = condition.start, condition.start.facts
-            origin = f" from {facts.resumed_from}: {facts.continuation.value}" if facts.continuation else ""
+            why = f" ({facts.resume_cause.value})" if facts.resume_cause else ""
+            origin = f" from {facts.resumed_from}{why}: {facts.continuation.value}" if facts.continuation else ""
             lines.append(f"  {start.kind} at loop step {start.progress.step:,} (update "
                          f"{start.progress.optimizer_updates:,}){origin}"
                          f"{' [superseded by a later resume]' if condition.superseded else ''}")

@@ -117,7 +117,7 @@ def test_check_resume_with_the_same_global_batch_on_two_ranks_is_global_batch_ex
     resumed_split, reference = conditions.split("\na_8x1x1:\n")
     lines = [line.strip() for line in resumed_split.splitlines()]
     origin = f"from {runs['resumed_split']}/checkpoints/000004"
-    assert f"resume at loop step 4 (update 4) {origin}: global-batch-exact" in lines
+    assert f"resume at loop step 4 (update 4) {origin} (requested): global-batch-exact" in lines
     assert ("FLAG: steps 5-8 re-run at resume (step 4): the previous attempt reached step 8; its records past the "
             "resume step are superseded") in lines
     assert "FLAG: topology changed at resume (step 4): single process -> DDP: 2 replicas" in lines

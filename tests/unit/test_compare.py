@@ -18,7 +18,7 @@ from lerobot_mg.accounting.compare import check_resume, compare_runs, pick_resum
 from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest, read_ledger
 from lerobot_mg.accounting.report import format_markdown, format_text
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
-from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, RunFacts
+from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, ResumeCause, RunFacts
 from lerobot_mg.scripts_entry import compare_runs as main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,7 @@ def simulate_run(
         # What training writes: how exactly this resume continues the stream of the attempt before it.
         continuation=Continuation.of_resume(read_ledger(run_dir).segments[-1].start.facts.batch, arithmetic)
         if start_step else None,
+        resume_cause=ResumeCause.REQUESTED if start_step else None,
     )
     ledger = RunLedger(run_dir, is_main=True)
     ledger.write(StartRecord(0.0, dataclasses.replace(progress), facts))
@@ -188,7 +189,7 @@ def test_resume_conditions_flag_what_changed(tmp_path: Path) -> None:
     assert "microbatch per worker differs: resumed 2 -> 4, reference 2" in comparison.differences
     text = format_text(comparison, None)
     assert "FLAG: topology changed at resume (step 20): FSDP2: 2 shards -> single process" in text
-    assert "resume at loop step 20 (update 10) from checkpoints/000020: global-batch-exact\n" in text
+    assert "resume at loop step 20 (update 10) from checkpoints/000020 (requested): global-batch-exact\n" in text
     assert re.search(r"\nmicrobatch per worker +\| 2 -> 4 +\| 2\n", text)
     assert re.search(r"\nworld size +\| 2 -> 1 +\| 2\n", text)
     assert re.search(r"\neffective batch +\| 8 +\| 8\n", text)
