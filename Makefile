@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup train train-image test test-fast bench lint clean-outputs slurm-local slurm-local-stop
+.PHONY: setup train train-image train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
 # torch first: `pip install torch==2.13.0` takes the CPU build that lies on disk here; a plain `torch` requirement
 # on a machine without torch would pull a multi-GB CUDA build. The package's own `torch>=2.6` is then satisfied.
@@ -28,6 +28,11 @@ train: setup
 train-image: setup
 	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)_images" num_episodes=10 image_size="[240,320]"
 	$(PY) scripts/train.py experiment=aloha_image
+
+# Diffusion Policy on the same embedded demos (state-only, evaluated in sim). About 50 minutes on 2 CPU cores.
+train-diffusion: setup
+	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)" num_episodes=50
+	$(PY) scripts/train.py experiment=aloha_diffusion
 
 # Two xdist workers, one test file at a time each: tests wait on process start-up and rendezvous much of the time.
 # Runs shared across files are trained once per session (tests/launch_utils.py: shared_by_workers).

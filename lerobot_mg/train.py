@@ -19,8 +19,8 @@ from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import config_error, validate
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
-from lerobot_mg.data.sampler import ResumableBatchSampler
-from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, shard_units
+from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
+from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.distributed.memory import gather_rank_bytes
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
@@ -32,7 +32,7 @@ from lerobot_mg.launch.sweep import SweepJob
 from lerobot_mg.optim import apply_optimizer_config, describe_schedule, make_optimizer, make_scheduler
 from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
 from lerobot_mg.peft.lora import AdapterWeights
-from lerobot_mg.policies.act.configuration_act import ACTConfig
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY, PolicyConfig, delta_timestamps
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
 from lerobot_mg.run_facts import CodeRevision, Progress, ResumeCause, RunFacts, from_dict
 from lerobot_mg.step import Stepper
@@ -61,8 +61,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     policy = build_policy(cfg, dataset.features)  # fresh, the base at policy.path, or that base under LoRA
     preprocessor, postprocessor = _processors(cfg, policy, dataset, resume)
     preprocessor = preprocessor.to(accelerator.device)
-    if dims.is_sharded:  # the optimizer must see the sharded parameters of the wrap units
-        shard_units(accelerator, policy, cfg.accelerator.fsdp)  # collective
+    # Before the optimizer exists: it must see the sharded parameters of the wrap units.
+    prepare_units(accelerator, policy, cfg.accelerator, dims)  # collective: checkpointing, compile, sharding
     optimizer = make_optimizer(policy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
@@ -179,10 +179,10 @@ def _is_save_step(cfg: TrainConfig, step: int, preempted: bool) -> bool:
     return cfg.checkpoint.save_checkpoint and (preempted or step % cfg.checkpoint.save_freq == 0 or step == cfg.steps)
 
 
-def _delta_timestamps(policy: ACTConfig, root: str) -> dict[str, list[float]]:
-    """The action chunk each sample loads: the policy's frame offsets, in seconds at the dataset's fps."""
-    fps = json.loads((Path(root) / "meta" / "info.json").read_text())["fps"]
-    return {"action": [i / fps for i in policy.action_delta_indices]}
+def _delta_timestamps(policy: PolicyConfig, root: str) -> dict[str, list[float]]:
+    """The frames each sample holds (the policy's observation history and action chunk), in seconds."""
+    info = json.loads((Path(root) / "meta" / "info.json").read_text())
+    return delta_timestamps(policy, info["features"], info["fps"])
 
 
 def _processors(cfg: TrainConfig, policy: torch.nn.Module, dataset: LeRobotDataset,
@@ -195,18 +195,20 @@ def _processors(cfg: TrainConfig, policy: torch.nn.Module, dataset: LeRobotDatas
 
 
 def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int, pin_memory: bool):
-    """Endless batches; one DataLoader pass per epoch, starting at the sampler's saved position.
+    """Endless batches, each with its samples' seeds; one DataLoader pass per epoch, starting at the sampler's
+    saved position.
 
     Each pass gets its own generator: a DataLoader otherwise draws its worker seed from the global RNG when
     its iterator starts, and a resumed run (which starts an iterator mid-epoch) would drift from a straight one.
     """
     while True:
+        epoch = sampler.epoch  # the sampler reads its position when the pass starts, as here
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
-            pin_memory=pin_memory,
-            generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(sampler.seed * 100_003 + epoch),
         )
-        yield from loader
+        for batch in loader:
+            yield {**batch, SAMPLE_SEED_KEY: sample_seeds(sampler.seed, epoch, batch["index"])}
 
 
 def _save_run_configs(output_dir: Path, train_config: dict, composed: DictConfig | None, resumed: bool) -> None:

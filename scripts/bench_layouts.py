@@ -1,11 +1,14 @@
 """Benchmark: per-rank training-state memory under DDP-2 vs FSDP-2, and lerobot_mg's loop step vs a bare loop.
 
-    python scripts/bench_layouts.py                  # CPU, gloo: prints both ratios
-    python scripts/bench_layouts.py --dim-model 512 --steps 30
+    python scripts/bench_layouts.py                  # CPU, gloo: ACT and Diffusion; outputs/bench/layouts.json
+    python scripts/bench_layouts.py --policies act --dim-model 512 --steps 30
 
-1. Memory: the same ACT under DDP-2 and FSDP-2 (2 spawned processes each, gloo), after one optimizer step:
-   bytes of parameters + gradients + optimizer state held by rank 0. FSDP-2 / DDP-2 goal <= 0.525 (limit 0.5).
-2. Overhead: one process, the same model, batches and optimizer; lerobot_mg's Stepper (Accelerate, the
+1. Memory: the same policy under DDP-2 and FSDP-2 (2 spawned processes each, gloo), after one optimizer step:
+   bytes of parameters + gradients + optimizer state held by rank 0. ACT (dim_model 512, chunk 50): FSDP-2 /
+   DDP-2 goal <= 0.525 (limit 0.5). Diffusion at LeRobot's default size (248.7M parameters, U-Net widths
+   512-1024-2048; no wrap units of its own, so FSDP-2 shards by size, min_num_params=16M): goal <= 0.55. About
+   10 GB of host memory for the two DDP ranks.
+2. Overhead (ACT): one process, the same model, batches and optimizer; lerobot_mg's Stepper (Accelerate, the
    preprocessor, clipping, the scheduler) against a bare PyTorch loop doing the same math, interleaved in
    alternation, so machine noise hits both alike. Goal <= 1.05.
 """
@@ -14,42 +17,56 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
+from lerobot_mg.benchmarking import BenchResult, report, run_on_ranks
+
+# The embedded ALOHA dataset's state-only features.
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [14]},
     "observation.environment_state": {"dtype": "float32", "shape": [3]},
     "action": {"dtype": "float32", "shape": [14]},
 }
+# FSDP-2 units of the default Diffusion U-Net: the size rule's 9-unit suggestion (its start-up error lists them).
+DIFFUSION_MIN_NUM_PARAMS = 16_000_000
+DIFFUSION_BATCH_SIZE = 2  # the bytes measured do not depend on it; a 250M U-Net step on a CPU does
+GOALS = {"act": 0.525, "diffusion": 0.55}
 
 
-def _config(args: argparse.Namespace):
+def _config(policy: str, args: argparse.Namespace):
     from lerobot_mg.config.schema import TrainConfig
+    from lerobot_mg.policies import ACTConfig, DiffusionConfig
 
     cfg = TrainConfig()
-    cfg.policy.dim_model = args.dim_model
-    cfg.policy.dim_feedforward = 4 * args.dim_model
-    cfg.policy.chunk_size = cfg.policy.n_action_steps = 50
-    cfg.policy.use_vae = False
-    cfg.policy.dropout = 0.0
-    cfg.batch_size = args.batch_size
+    if policy == "act":
+        cfg.policy = ACTConfig(dim_model=args.dim_model, dim_feedforward=4 * args.dim_model, chunk_size=50,
+                               n_action_steps=50, use_vae=False, dropout=0.0)
+        cfg.batch_size = args.batch_size
+    else:
+        cfg.policy = DiffusionConfig()  # LeRobot's default sizes
+        cfg.batch_size = DIFFUSION_BATCH_SIZE
+        cfg.accelerator.fsdp.min_num_params = DIFFUSION_MIN_NUM_PARAMS
     cfg.scheduler.type = "constant"
     cfg.scheduler.num_warmup_steps = 0
     return cfg
 
 
-def _batch(batch_size: int, chunk: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    return {
-        "observation.state": torch.randn(batch_size, 14, generator=generator),
-        "observation.environment_state": torch.randn(batch_size, 3, generator=generator),
-        "action": torch.randn(batch_size, chunk, 14, generator=generator),
-        "action_is_pad": torch.zeros(batch_size, chunk, dtype=torch.bool),
+def policy_batch(policy_cfg, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A random normalised batch shaped as the dataset would give ``policy_cfg``: observation history (if any),
+    action chunk, padding mask."""
+    history = policy_cfg.observation_delta_indices
+    frames = [] if history is None else [len(history)]
+    chunk = len(policy_cfg.action_delta_indices)
+    batch = {
+        key: torch.randn(batch_size, *frames, *spec["shape"], generator=generator)
+        for key, spec in FEATURES.items() if key != "action"
     }
+    batch["action"] = torch.randn(batch_size, chunk, *FEATURES["action"]["shape"], generator=generator)
+    batch["action_is_pad"] = torch.zeros(batch_size, chunk, dtype=torch.bool)
+    return batch
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -57,33 +74,33 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _memory_worker(rank: int, world_size: int, port: int, shard: bool, args: argparse.Namespace, out) -> None:
+def _memory_worker(rank: int, world_size: int, port: int, shard: bool, policy_name: str, args: argparse.Namespace,
+                   out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from accelerate.utils import set_seed
 
-    from lerobot_mg.distributed.accelerator import build_accelerator, shard_units
+    from lerobot_mg.distributed.accelerator import build_accelerator, prepare_units
     from lerobot_mg.distributed.parallel_dims import ParallelDims
     from lerobot_mg.optim import make_optimizer
     from lerobot_mg.policies.registry import make_policy
     from lerobot_mg.step import Stepper
 
-    cfg = _config(args)
+    cfg = _config(policy_name, args)
     cfg.parallelism.dp_shard = world_size if shard else 1
     dims = ParallelDims.resolve(1, cfg.parallelism.dp_shard, world_size, rank, rank)
     set_seed(0)
     accelerator = build_accelerator(cfg.accelerator, dims)
     policy = make_policy(cfg.policy, FEATURES)
-    if shard:
-        shard_units(accelerator, policy, cfg.accelerator.fsdp)
+    prepare_units(accelerator, policy, cfg.accelerator, dims)
     optimizer = make_optimizer(policy, cfg.optimizer)
     model, optimizer = accelerator.prepare(policy, optimizer)
     stepper = Stepper(accelerator, model, optimizer, None, lambda b: b, cfg.optimizer.grad_clip_norm, dims)
     generator = torch.Generator().manual_seed(rank)
     # One step allocates the optimizer state; one more backward leaves the (reduced) gradients in place.
-    stepper.step(_batch(cfg.batch_size, cfg.policy.chunk_size, generator))
-    loss, _ = model(_batch(cfg.batch_size, cfg.policy.chunk_size, generator))
+    stepper.step(policy_batch(cfg.policy, cfg.batch_size, generator))
+    loss, _ = model(policy_batch(cfg.policy, cfg.batch_size, generator))
     accelerator.backward(loss)
     param_bytes = sum(_local_bytes(p) for p in model.parameters())
     grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -97,19 +114,8 @@ def _memory_worker(rank: int, world_size: int, port: int, shard: bool, args: arg
     accelerator.end_training()
 
 
-def _measure_memory(shard: bool, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_memory_worker, args=(r, 2, port, shard, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=120)
-    return result
+def _measure_memory(shard: bool, policy_name: str, args: argparse.Namespace) -> dict:
+    return run_on_ranks(_memory_worker, (shard, policy_name, args))
 
 
 def _overhead(args: argparse.Namespace) -> tuple[float, float]:
@@ -121,7 +127,7 @@ def _overhead(args: argparse.Namespace) -> tuple[float, float]:
     from lerobot_mg.policies.registry import make_policy
     from lerobot_mg.step import Stepper
 
-    cfg = _config(args)
+    cfg = _config("act", args)
     dims = ParallelDims.resolve(1, 1, 1)
     set_seed(0)
     accelerator = build_accelerator(cfg.accelerator, dims)
@@ -145,7 +151,7 @@ def _overhead(args: argparse.Namespace) -> tuple[float, float]:
         float(loss.detach())
 
     generator = torch.Generator().manual_seed(0)
-    batches = [_batch(cfg.batch_size, cfg.policy.chunk_size, generator) for _ in range(args.steps)]
+    batches = [policy_batch(cfg.policy, cfg.batch_size, generator) for _ in range(args.steps)]
     for batch in batches[:3]:  # warm-up both
         stepper.step(batch)
         bare_step(batch)
@@ -160,27 +166,37 @@ def _overhead(args: argparse.Namespace) -> tuple[float, float]:
     return statistics.median(ours_times), statistics.median(bare_times)
 
 
+def _memory_results(policy_name: str, args: argparse.Namespace) -> list[BenchResult]:
+    ddp, fsdp = _measure_memory(False, policy_name, args), _measure_memory(True, policy_name, args)
+    total = {"DDP-2": ddp["params"] + ddp["grads"] + ddp["optim"], "FSDP-2": fsdp["params"] + fsdp["grads"] + fsdp["optim"]}
+    print(f"{policy_name}, {ddp['num_params'] / 1e6:.2f}M parameters, fp32, AdamW; bytes held by rank 0 after one step")
+    print(f"{'':8}{'params':>14}{'grads':>14}{'optimizer':>14}{'total':>14}")
+    for name, r in (("DDP-2", ddp), ("FSDP-2", fsdp)):
+        print(f"{name:8}{r['params']:>14,}{r['grads']:>14,}{r['optim']:>14,}{total[name]:>14,}")
+    return [
+        BenchResult(f"{policy_name}_num_params", ddp["num_params"], None, "parameters"),
+        BenchResult(f"{policy_name}_ddp2_rank0_bytes", total["DDP-2"], None, "bytes"),
+        BenchResult(f"{policy_name}_fsdp2_rank0_bytes", total["FSDP-2"], None, "bytes"),
+        BenchResult(f"{policy_name}_memory_ratio_fsdp2_over_ddp2", total["FSDP-2"] / total["DDP-2"],
+                    f"<= {GOALS[policy_name]}", "ratio"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim-model", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--policies", nargs="+", choices=sorted(GOALS), default=sorted(GOALS))
+    parser.add_argument("--dim-model", type=int, default=512, help="ACT's width")
+    parser.add_argument("--batch-size", type=int, default=16, help="ACT's batch")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    ddp, fsdp = _measure_memory(False, args), _measure_memory(True, args)
-    total = {name: r["params"] + r["grads"] + r["optim"] for name, r in (("ddp", ddp), ("fsdp", fsdp))}
-    print(f"ACT, {ddp['num_params'] / 1e6:.2f}M parameters, fp32, AdamW; bytes held by rank 0 after one step")
-    print(f"{'':8}{'params':>14}{'grads':>14}{'optimizer':>14}{'total':>14}")
-    for name, r in (("DDP-2", ddp), ("FSDP-2", fsdp)):
-        key = "ddp" if name == "DDP-2" else "fsdp"
-        print(f"{name:8}{r['params']:>14,}{r['grads']:>14,}{r['optim']:>14,}{total[key]:>14,}")
-    ratio = total["fsdp"] / total["ddp"]
-    print(f"memory ratio FSDP-2 / DDP-2 = {ratio:.4f}  (goal <= 0.525, limit 0.5)")
-
-    ours, bare = _overhead(args)
-    print(f"loop step, 1 process: lerobot_mg {ours * 1e3:.2f} ms vs bare PyTorch {bare * 1e3:.2f} ms (medians)")
-    print(f"step time ratio lerobot_mg / bare = {ours / bare:.3f}  (goal <= 1.05)")
+    results = [result for policy in args.policies for result in _memory_results(policy, args)]
+    if "act" in args.policies:
+        ours, bare = _overhead(args)
+        print(f"loop step, 1 process: lerobot_mg {ours * 1e3:.2f} ms vs bare PyTorch {bare * 1e3:.2f} ms (medians)")
+        results.append(BenchResult("act_step_time_ratio_lerobot_mg_over_bare", ours / bare, "<= 1.05", "ratio"))
+    report("layouts", results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (not part of CI): what only a GPU can show. About 5 minutes on one GPU.
+# GPU check (not part of CI): what only a GPU can show. About 10 minutes on one GPU.
 #
 #   bash scripts/gpu_check.sh            # needs a CUDA torch in .venv or on the PATH's python
 #
@@ -8,6 +8,9 @@
 # 2. bf16 and fp16 on CUDA (fp16 builds accelerate's own GradScaler on the GPU).
 # 3. accelerator.fsdp.cpu_offload=true with pinned host memory.
 # 4. Peak GPU memory of each run (torch.cuda.max_memory_allocated, printed by the inline probe below).
+# 5. accelerator.compile (inductor -> Triton) and accelerator.activation_checkpointing on CUDA: Diffusion at
+#    LeRobot's U-Net widths, one GPU and FSDP2 on NCCL (units by size), compiled + checkpointed against eager (the
+#    losses of the same 40 steps must agree; the peak memory should drop); ACT the same under FSDP2 + bf16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -26,11 +29,16 @@ PY
 common=(experiment=pusht_debug "dataset.root=$DATA" steps=40 batch_size=32 log_freq=10 logging.progress_bar=false
         policy.dim_model=512 policy.n_heads=8 policy.dim_feedforward=2048 policy.observation_keys='[observation.state,observation.image]')
 
-run() {  # name, launcher..., overrides...
+diffusion=(experiment=pusht_debug_diffusion "dataset.root=$DATA" steps=40 batch_size=64 log_freq=10
+           logging.progress_bar=false policy.down_dims='[512,1024,2048]' policy.diffusion_step_embed_dim=128
+           policy.horizon=16 policy.n_action_steps=8 policy.observation_keys='[observation.state,observation.image]')
+
+run() {  # name, launcher..., overrides... (the ACT overrides in `common` unless PRESET names another array)
   local name=$1; shift
+  local -n preset=${PRESET:-common}
   echo "== $name"
   local start=$SECONDS
-  "$@" "${common[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|Error|error" || true
+  "$@" "${preset[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|activation checkpointing:|torch.compile:|wrap units|Error|error" || true
   $PY - "$OUT/$name" <<'PY'
 import sys, pathlib
 run = pathlib.Path(sys.argv[1])
@@ -52,4 +60,26 @@ run fsdp_offload     "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precis
 run fsdp_dcp_resume0 "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp steps=20
 echo "== resume from DCP on NCCL"
 "${TR[@]}" resume=true "config_path=$OUT/fsdp_dcp_resume0/checkpoints/last/pretrained_model/train_config.json" steps=40 2>&1 | grep -E "resumed|Error" || true
+
+same_losses() {  # run, reference, tolerance: the compiled / checkpointed run trains like the eager one
+  $PY - "$OUT/$1" "$OUT/$2" "$3" <<'PY'
+import json, sys, pathlib
+runs = [[json.loads(l)["loss"] for l in (pathlib.Path(d) / "metrics.jsonl").read_text().splitlines()] for d in sys.argv[1:3]]
+worst, tolerance = max(abs(a - b) / abs(b) for a, b in zip(*runs)), float(sys.argv[3])
+print(f"   {pathlib.Path(sys.argv[1]).name} vs {pathlib.Path(sys.argv[2]).name}: largest relative loss difference "
+      f"{worst:.2e} over {len(runs[1])} logged steps (tolerance {tolerance:g}): {'ok' if worst <= tolerance else 'MISMATCH'}")
+PY
+}
+SIZE=(accelerator.fsdp.min_num_params=16000000)
+PRESET=diffusion run diffusion_eager        $PY scripts/train.py
+PRESET=diffusion run diffusion_compile_ac   $PY scripts/train.py accelerator.compile=true accelerator.activation_checkpointing=true
+same_losses diffusion_compile_ac diffusion_eager 1e-2  # fused kernels and TF32 convolutions round differently
+PRESET=diffusion run diffusion_fsdp_eager   "${TR[@]}" parallelism.dp_shard=-1 "${SIZE[@]}"
+PRESET=diffusion run diffusion_fsdp_compile_ac "${TR[@]}" parallelism.dp_shard=-1 "${SIZE[@]}" accelerator.compile=true accelerator.activation_checkpointing=true
+same_losses diffusion_fsdp_compile_ac diffusion_fsdp_eager 1e-2
+# Without dropout: compiled units draw their dropout masks from inductor's own RNG, not eager's.
+run act_fsdp_bf16_eager      "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 policy.dropout=0
+run act_fsdp_bf16_compile_ac "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 policy.dropout=0 \
+    accelerator.compile=true accelerator.activation_checkpointing=true
+same_losses act_fsdp_bf16_compile_ac act_fsdp_bf16_eager 5e-2  # bf16: rounding differences are larger
 echo "gpu_check done"

@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
 from lerobot_mg.config.validate import check_resume_request
+from lerobot_mg.policies.registry import get_policy_class
 
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -42,11 +43,21 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def schema_for(config: dict[str, Any] | DictConfig) -> DictConfig:
+    """TrainConfig's structured schema with ``policy`` typed by the config class of ``config``'s policy type."""
+    schema = OmegaConf.structured(TrainConfig)
+    policy_type = OmegaConf.select(OmegaConf.create(config), "policy.type", default=None)
+    if policy_type is not None:
+        schema.policy = OmegaConf.structured(get_policy_class(str(policy_type)).config_class)
+    return schema
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The typed object of a composed (or loaded) config; raises on unknown keys or wrong types."""
     # Merge a plain container: a `+key=value` override opens the struct flag of the composed node, and merging
     # the node itself would let an unknown (typo) key through.
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
+    container = OmegaConf.to_container(cfg, resolve=False)
+    merged = OmegaConf.merge(schema_for(container), container)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
@@ -84,7 +95,7 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     check_resume_request(bool(composed.resume), composed.config_path)
     saved = load_train_config_json(Path(composed.config_path))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+        merged = OmegaConf.merge(schema_for(saved), saved)
     except OmegaConfBaseException as error:
         raise ValueError(
             f"config_path={composed.config_path!r} does not match this version's config schema ({error}). Fix: "

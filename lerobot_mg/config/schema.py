@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
-from lerobot_mg.policies.act.configuration_act import ACTConfig
+from lerobot_mg.policies.registry import POLICIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +81,12 @@ class AcceleratorConfig:
     # --kill-on-bad-exit / torchrun stop the other ranks). Above the longest legitimate wait: rank 0 writing the
     # gathered checkpoint while the others wait at the barrier.
     process_group_timeout_s: int = 600
+    # Recompute in backward the activations of the policy's declared blocks (_checkpoint_modules), else of its
+    # outermost wrap units, instead of keeping them; applied before sharding (FSDP2, HSDP, DDP, one process). A
+    # policy that declares neither needs accelerator.fsdp.min_num_params or wrap_modules, also unsharded.
+    activation_checkpointing: bool = False
+    # torch.compile each outermost wrap unit (the policy's top-level modules where it has none), before sharding.
+    compile: bool = False
 
 
 @dataclass
@@ -168,7 +175,9 @@ class EvalConfig:
 class TrainConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     accelerator: AcceleratorConfig = field(default_factory=AcceleratorConfig)
-    policy: ACTConfig = field(default_factory=ACTConfig)
+    # The config dataclass of the chosen policy (ACTConfig, DiffusionConfig, ...): the `policy` group's schema is
+    # the one registered for that preset (register_configs), so its keys are typed like every other group's.
+    policy: Any = MISSING
     peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -178,7 +187,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     output_dir: str | None = None  # default: outputs/train/<date>/<time>_<job_name>_<id>, one per run
-    job_name: str = "act"
+    job_name: str = "${policy.type}"
     seed: int = 1000
     steps: int = 2000  # loop steps (micro-batches per worker), not optimizer updates
     batch_size: int = 8  # per data-parallel worker
@@ -193,3 +202,5 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    for name, policy_class in POLICIES.items():  # conf/policy/<name>.yaml starts from <name>_schema
+        cs.store(group="policy", name=f"{name}_schema", node=policy_class.config_class)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.distributed.wrap import compile_unavailable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
             "accelerator.process_group_timeout_s=600",
         )
     fsdp = acc.fsdp
+    if acc.compile:
+        reason = compile_unavailable_reason(use_cpu=acc.cpu or not torch.cuda.is_available())
+        if reason is not None:
+            raise config_error("accelerator.compile", True, reason, "accelerator.compile=false")
     if not sharded:
         set_fields = [
             name
@@ -126,11 +131,18 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
             )
             if is_set
         ]
+        # The unit rules also choose the blocks activation checkpointing and compile apply to, sharded or not.
+        if acc.activation_checkpointing or acc.compile:
+            set_fields = [name for name in set_fields if name not in ("wrap_modules", "min_num_params")]
         if set_fields:
             key = f"accelerator.fsdp.{set_fields[0]}"
+            unit_rule = set_fields[0] in ("wrap_modules", "min_num_params")
             raise config_error(
                 key, getattr(fsdp, set_fields[0]) if set_fields[0] != "mixed_precision_policy" else "set",
-                "only applies to sharded runs, and this run is not sharded (parallelism.dp_shard=1)",
+                "only applies to sharded runs"
+                + (" (or to choose the units of accelerator.activation_checkpointing / accelerator.compile)"
+                   if unit_rule else "")
+                + ", and this run is not sharded (parallelism.dp_shard=1)",
                 f"parallelism.dp_shard=-1 to shard, or remove {key}",
             )
     if fsdp.wrap_modules is not None and fsdp.min_num_params is not None:

@@ -15,6 +15,22 @@ import numpy as np
 import torch
 
 
+def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+    """One int64 seed per sample presentation, from (run seed, epoch, dataset index) only.
+
+    Each epoch presents a sample at most once, so the seed is unique to a presentation yet independent of the
+    rank, the micro-batch and the process count that carry it: per-sample training noise drawn from it is the
+    same on every layout and after a resume.
+    """
+    return torch.tensor(
+        [
+            int(np.random.SeedSequence([seed, epoch, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+            for index in indices.tolist()
+        ],
+        dtype=torch.int64,
+    )
+
+
 class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     """Yields this rank's micro-batch indices for each remaining loop step of the current epoch.
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
 from lerobot_mg.distributed.parallel_dims import ParallelDims
-from lerobot_mg.distributed.wrap import find_split_ties, select_wrap_units
+from lerobot_mg.distributed.wrap import checkpoint_activations, compile_forward, find_split_ties, plan_units
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +161,31 @@ def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Acceler
     return accelerator
 
 
-def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) -> list[str]:
-    """Choose, check and shard the FSDP wrap units of ``model`` (before ``accelerator.prepare``).
-
-    Returns the unit names. Collective: every rank must call it.
+def prepare_units(
+    accelerator: Accelerator, model: nn.Module, acc_cfg: AcceleratorConfig, dims: ParallelDims
+) -> list[str]:
+    """Apply, in this order, activation checkpointing, torch.compile and FSDP sharding to the units
+    :func:`plan_units` chooses, before ``accelerator.prepare`` wraps the root (FSDP2 or DDP). Returns the wrap
+    unit names. Collective: every rank must call it.
     """
+    plan = plan_units(model, acc_cfg, dims.is_sharded)
+    for _, block in plan.checkpointed:
+        checkpoint_activations(block)
+    for _, target in plan.compiled:
+        compile_forward(target)
+    if dims.is_sharded:
+        _shard(accelerator, model, plan.units, plan.rule)
+    if accelerator.is_main_process:
+        for line in plan.describe():
+            logger.info(line)
+    return [name for name, _ in plan.units]
+
+
+def _shard(accelerator: Accelerator, model: nn.Module, units: list[tuple[str, nn.Module]], rule: str) -> None:
+    """Check the wrap units for split ties and shard each with the arguments accelerate gives the root."""
     from accelerate.utils.fsdp_utils import get_parameters_from_modules
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    units, rule = select_wrap_units(model, fsdp.wrap_modules, fsdp.min_num_params)
     ties = find_split_ties(model, units)
     if ties:
         raise ValueError(
@@ -192,9 +208,6 @@ def shard_units(accelerator: Accelerator, model: nn.Module, fsdp: FSDPConfig) ->
         kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
     for _, unit in units:
         fully_shard(unit, **kwargs)
-    if accelerator.is_main_process:
-        logger.info("FSDP wrap units (%s): %d units, e.g. %s", rule, len(units), units[-1][0])
-    return [name for name, _ in units]
 
 
 def _upcast_trainable(model: nn.Module, log: bool) -> None:

@@ -1,18 +1,87 @@
-"""FSDP wrap units: which submodules become their own FSDP unit, and the checks around that choice.
+"""Wrap units: which submodules become their own FSDP unit, the checks around that choice, and the two
+per-unit transforms applied before sharding (activation checkpointing, torch.compile).
 
 Accelerate's own size-based policy crashes on ``nn.ModuleList`` containers (``fully_shard`` needs a module
 with a ``forward``) and its class-name policy silently wraps only the root when the wrap policy is missing, so
 the unit selection is ours: one list of modules, checked, then sharded with the same arguments accelerate
 uses for the root.
+
+Both transforms replace a unit's ``forward`` on the instance and leave its class, hooks and parameter names
+alone: checkpoints, state dicts and FSDP's hooks (which run around ``forward``) are the same with or without them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:  # config.validate imports this module
+    from lerobot_mg.config.schema import AcceleratorConfig
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+# At most this many min_num_params suggestions in an error message.
+_MAX_SUGGESTIONS = 4
+
+NamedModules = list[tuple[str, nn.Module]]
+
+
+@dataclass
+class UnitPlan:
+    """What happens to which submodules of a model before it is wrapped."""
+
+    units: NamedModules  # wrap units, bottom-up (sharded runs shard them)
+    rule: str  # the rule that chose them
+    sharded: bool
+    checkpointed: NamedModules  # blocks whose activations are recomputed in backward
+    compiled: NamedModules  # modules whose forward torch.compile compiles
+
+    def describe(self) -> list[str]:
+        """Log lines: the units and their rule, then how many modules each transform applies to, with an example."""
+        lines = []
+        if self.units:
+            what = "FSDP wrap units" if self.sharded else "wrap units (not sharded)"
+            lines.append(f"{what} ({self.rule}): {len(self.units)} units, e.g. {self.units[-1][0]}")
+        for what, modules in (("activation checkpointing", self.checkpointed), ("torch.compile", self.compiled)):
+            if modules:
+                lines.append(f"{what}: {len(modules)} modules, e.g. {modules[-1][0]}")
+        return lines
+
+
+def plan_units(model: nn.Module, acc_cfg: AcceleratorConfig, sharded: bool) -> UnitPlan:
+    """Choose the wrap units (sharded runs, or per-unit transforms) and what the two transforms apply to.
+
+    Activation checkpointing recomputes the model's declared blocks (``_checkpoint_modules``), else its
+    outermost wrap units; compile takes the outermost wrap units, else the model's top-level modules. Where
+    either would have nothing to apply to this raises rather than silently doing nothing.
+    """
+    fsdp = acc_cfg.fsdp
+    units: NamedModules = []
+    rule = "no rule"
+    wanted = sharded or acc_cfg.activation_checkpointing or acc_cfg.compile
+    if sharded or (wanted and has_wrap_rule(model, fsdp.wrap_modules, fsdp.min_num_params)):
+        units, rule = select_wrap_units(model, fsdp.wrap_modules, fsdp.min_num_params)
+    checkpointed: NamedModules = []
+    if acc_cfg.activation_checkpointing:
+        checkpointed = declared_checkpoint_blocks(model) or outermost(units)
+        if not checkpointed:
+            raise no_rule_error(
+                model, "accelerator.activation_checkpointing=true has no block to recompute",
+                declarations="_fsdp_wrap_modules or _checkpoint_modules",
+            )
+    compiled = (outermost(units) or top_level_modules(model)) if acc_cfg.compile else []
+    if acc_cfg.compile and not compiled:
+        raise ValueError(
+            f"accelerator.compile=True: {type(policy_of(model)).__name__} has no wrap unit and no submodule with parameters, so "
+            "nothing would be compiled. Fix: accelerator.fsdp.wrap_modules='[\"MyBlock\"]', or accelerator.compile=false"
+        )
+    return UnitPlan(units, rule, sharded, checkpointed, compiled)
 
 
 def select_wrap_units(
@@ -24,9 +93,8 @@ def select_wrap_units(
     class's ``_fsdp_wrap_modules``. With none of the three, or a rule that matches nothing but the root, the run
     stops: a root-only wrap forfeits all sharding memory savings.
     """
-    # A peft model wraps the policy (LoRA layers replace modules in place): the declaration is the policy's.
-    policy = model.get_base_model() if hasattr(model, "get_base_model") else model
-    declared = list(getattr(type(policy), "_fsdp_wrap_modules", []) or [])
+    policy = policy_of(model)
+    declared = _declared(model)
     if wrap_modules:
         class_names, rule = list(wrap_modules), f"accelerator.fsdp.wrap_modules={list(wrap_modules)}"
     elif min_num_params is not None:
@@ -34,11 +102,7 @@ def select_wrap_units(
     elif declared:
         class_names, rule = declared, f"{type(policy).__name__}._fsdp_wrap_modules={declared}"
     else:
-        raise ValueError(
-            f"accelerator.fsdp.wrap_modules=None: {type(policy).__name__} declares no _fsdp_wrap_modules, so a "
-            "sharded run would wrap only the root module and save no memory. Fix: "
-            "accelerator.fsdp.wrap_modules='[\"MyTransformerBlock\"]' or accelerator.fsdp.min_num_params=1000000"
-        )
+        raise no_rule_error(model, "a sharded run would wrap only the root module and save no memory")
 
     if class_names is not None:
         present = {type(m).__name__ for m in model.modules()}
@@ -60,6 +124,50 @@ def select_wrap_units(
     # Bottom-up so inner units are sharded before the units that contain them.
     chosen.sort(key=lambda item: item[0].count("."), reverse=True)
     return chosen, rule
+
+
+def policy_of(model: nn.Module) -> nn.Module:
+    """The policy whose declarations count: a peft model wraps the policy (LoRA layers replace modules in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _declared(model: nn.Module) -> list[str]:
+    return list(getattr(type(policy_of(model)), "_fsdp_wrap_modules", []) or [])
+
+
+def has_wrap_rule(model: nn.Module, wrap_modules: list[str] | None, min_num_params: int | None) -> bool:
+    """Whether any rule (the config's or the policy's declaration) chooses units for ``model``."""
+    return bool(wrap_modules) or min_num_params is not None or bool(_declared(model))
+
+
+def no_rule_error(model: nn.Module, consequence: str, declarations: str = "_fsdp_wrap_modules") -> ValueError:
+    """The error for a model without declared units and neither override, with size thresholds to pick from:
+    "<Model> declares no <declarations>, so <consequence>"."""
+    suggestions = ", ".join(
+        f"accelerator.fsdp.min_num_params={threshold} gives {num_units} units" for threshold, num_units in
+        size_rule_options(model)
+    )
+    return ValueError(
+        f"accelerator.fsdp.wrap_modules=None and accelerator.fsdp.min_num_params=None: {type(policy_of(model)).__name__} "
+        f"declares no {declarations}, so {consequence}. Fix: {suggestions or 'accelerator.fsdp.min_num_params=<N>'}"
+        f" (of {sum(p.numel() for p in model.parameters()):,} parameters), or "
+        "accelerator.fsdp.wrap_modules='[\"MyBlock\"]'"
+    )
+
+
+def size_rule_options(model: nn.Module) -> list[tuple[int, int]]:
+    """(min_num_params, number of units it gives) for thresholds halving from half the model's size, rounded
+    to two significant digits; the first few distinct unit counts of two or more."""
+    total = sum(p.numel() for p in model.parameters())
+    options: list[tuple[int, int]] = []
+    threshold = total // 2
+    while threshold >= 1 and len(options) < _MAX_SUGGESTIONS:
+        rounded = int(float(f"{threshold:.2g}"))
+        num_units = len(_size_based_units(model, rounded))
+        if num_units >= 2 and all(num_units != count for _, count in options):
+            options.append((rounded, num_units))
+        threshold //= 2
+    return options
 
 
 def _size_based_units(model: nn.Module, min_num_params: int) -> list[tuple[str, nn.Module]]:
@@ -100,3 +208,63 @@ def find_split_ties(model: nn.Module, units: Iterable[tuple[str, nn.Module]]) ->
             placed = ", ".join(f"{name} (unit {unit})" for unit, name in sorted(by_unit.items()))
             problems.append(placed)
     return problems
+
+
+def outermost(units: Iterable[tuple[str, nn.Module]]) -> NamedModules:
+    """The units no other unit contains: a transform applied to them covers the nested ones once."""
+    units = list(units)
+    names = {name for name, _ in units}
+    return [
+        (name, module) for name, module in units
+        if not any(name.startswith(f"{other}.") for other in names if other != name)
+    ]
+
+
+def declared_checkpoint_blocks(model: nn.Module) -> NamedModules:
+    """The outermost modules of the classes the model declares for activation checkpointing."""
+    class_names = list(getattr(type(policy_of(model)), "_checkpoint_modules", []) or [])
+    return outermost((n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names)
+
+
+def top_level_modules(model: nn.Module) -> NamedModules:
+    """The direct children that hold parameters: the whole network of a policy, without its own forward (the
+    loss and its random draws), for torch.compile when no wrap unit is chosen."""
+    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them.
+
+    Non-reentrant checkpointing: it composes with DDP's and FSDP2's hooks and with torch.compile, and restores
+    the RNG state for the recomputation, so dropout draws the same mask and gradients equal the run without it.
+    """
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def compile_forward(module: nn.Module) -> None:
+    """torch.compile ``module.forward`` (the hooks around it, e.g. FSDP's, stay eager)."""
+    forward: Callable[..., Any] = module.forward
+    module.forward = torch.compile(forward)
+
+
+def compile_unavailable_reason(use_cpu: bool) -> str | None:
+    """Why torch.compile cannot run here (its inductor backend needs a C++ compiler on the CPU, Triton on a GPU),
+    or None when it can."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile (TorchDynamo) does not support this Python version or platform"
+    if use_cpu:
+        compiler = torch._inductor.config.cpp.cxx[-1] or "g++"
+        if shutil.which(compiler) is None:
+            return f"torch.compile's CPU backend (inductor) needs a C++ compiler, and {compiler!r} is not on PATH"
+        return None
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return "torch.compile's GPU backend (inductor) needs Triton, which is not installed"
+    return None

@@ -1,8 +1,13 @@
-"""The policy base class (save/load, action queue, FSDP wrap units) and dataset -> policy features.
+"""The policy base class (save/load, observation history, action queue, FSDP wrap units) and dataset -> policy
+features and frame offsets.
 
 A feature spec is `{"type": "STATE" | "ENV" | "VISUAL" | "ACTION", "shape": [...]}` keyed by dataset key.
 Policies see batches that the preprocessor already normalised and emit actions in normalised space; the
 postprocessor maps them back (see lerobot_mg.processors).
+
+Which frames a training sample holds is the policy config's business (`observation_delta_indices`,
+`action_delta_indices`, as in LeRobot): `delta_timestamps` turns them into the dataset's offsets in seconds,
+and `select_action` keeps the same observation history at inference.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from torch import Tensor, nn
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# Batch key of one int64 seed per sample (lerobot_mg.data.sampler.sample_seeds: a function of the run's seed, the
+# epoch and the frame only). A policy that draws training noise per sample from it trains the same on every
+# layout: the noise follows the sample, not the rank or the micro-batch it lands in.
+SAMPLE_SEED_KEY = "sample_seed"
 
 _CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
 
@@ -30,11 +39,21 @@ class FeatureSpec(TypedDict):
 
 
 class PolicyConfig(Protocol):
-    """What the base class needs from a policy config dataclass."""
+    """What the base class and the trainer need from a policy config dataclass."""
 
     type: str
+    observation_keys: list[str] | None
     n_action_steps: int
     normalization_mapping: dict[str, str]
+
+    @property
+    def observation_delta_indices(self) -> list[int] | None:
+        """Frame offsets of the observation history (consecutive, ending at 0), or None for the current frame
+        alone without a time dim."""
+
+    @property
+    def action_delta_indices(self) -> list[int]:
+        """Frame offsets of the action chunk; the first may be negative (the chunk starts in the past)."""
 
     def validate(self) -> None: ...
 
@@ -94,6 +113,18 @@ def features_from_dataset(
     return input_features, output_features
 
 
+def delta_timestamps(
+    config: PolicyConfig, dataset_features: dict[str, dict[str, Any]], fps: int
+) -> dict[str, list[float]]:
+    """Offsets in seconds of the frames each training sample holds, per dataset key: the action chunk, and the
+    observation history of every input the policy reads (when the policy keeps one)."""
+    offsets = {"action": list(config.action_delta_indices)}
+    if config.observation_delta_indices is not None:
+        input_features, _ = features_from_dataset(dataset_features, config.observation_keys)
+        offsets.update({key: list(config.observation_delta_indices) for key in input_features})
+    return {key: [index / fps for index in indices] for key, indices in offsets.items()}
+
+
 def safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """CPU, contiguous tensors with no two sharing storage (safetensors refuses shared storage)."""
     seen_storages: set[int] = set()
@@ -117,6 +148,9 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     config_class: ClassVar[type]
     # Class names of the repeated blocks FSDP shards as units; the rest stays in the root unit.
     _fsdp_wrap_modules: ClassVar[list[str]] = []
+    # Class names of the blocks accelerator.activation_checkpointing recomputes; empty: the wrap units. Declared
+    # where wrap units chosen by size would make poor segments (a single conv, or a whole network at once).
+    _checkpoint_modules: ClassVar[list[str]] = []
     # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null.
     _peft_target_modules: ClassVar[list[str]] = []
 
@@ -135,6 +169,9 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
             key: {"type": spec["type"], "shape": list(spec["shape"])} for key, spec in output_features.items()
         }
         self._action_queue: deque[Tensor] = deque(maxlen=config.n_action_steps)
+        history = config.observation_delta_indices
+        self._num_history_steps = None if history is None else len(history)
+        self._observation_history: dict[str, deque[Tensor]] = {}
 
     @abc.abstractmethod
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
@@ -142,22 +179,48 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def predict_action_chunk(self, batch: dict[str, Tensor]) -> Tensor:
-        """(B, chunk_size, action_dim) actions in normalised space."""
+        """(B, len(action_delta_indices), action_dim) actions in normalised space, for the frames at
+        `action_delta_indices`. With an observation history, each input of `batch` is (B, T, ...)."""
 
     @torch.no_grad()
     def select_action(self, batch: dict[str, Tensor]) -> Tensor:
-        """(B, action_dim): the next action, predicting a new chunk once the last n_action_steps are used.
+        """(B, action_dim): the next action for the current observations `batch` (no time dim), predicting a
+        new chunk once the last n_action_steps are used. The policy keeps its own observation history.
 
         Call `eval()` first and `reset()` at each episode start.
         """
+        if self._num_history_steps is not None:
+            batch = self._push_observation(batch)
         if not self._action_queue:
-            chunk_BTA = self.predict_action_chunk(batch)[:, : self.config.n_action_steps]
+            # Chunk position of the current frame: the chunk may start in the past (action_delta_indices[0] < 0).
+            now = -self.config.action_delta_indices[0]
+            chunk_BTA = self.predict_action_chunk(batch)[:, now : now + self.config.n_action_steps]
             self._action_queue.extend(chunk_BTA.transpose(0, 1))
         return self._action_queue.popleft()
 
+    def _require_keys(self, batch: dict[str, Tensor], need_action: bool) -> None:
+        required = list(self.input_features) + (["action"] if need_action else [])
+        missing = [key for key in required if key not in batch]
+        if missing:
+            raise ValueError(f"The {self.name} policy's batch lacks {missing}; it has {sorted(batch)}.")
+
+    def _push_observation(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`batch` with each input replaced by its history (B, T, ...); at an episode's start the first
+        observation fills the history, as a dataset pads frames before the episode with its first frame."""
+        stacked = dict(batch)
+        for key in self.input_features:
+            history = self._observation_history.setdefault(key, deque(maxlen=self._num_history_steps))
+            if history:
+                history.append(batch[key])
+            else:
+                history.extend([batch[key]] * self._num_history_steps)
+            stacked[key] = torch.stack(list(history), dim=1)
+        return stacked
+
     def reset(self) -> None:
-        """Forget queued actions (call at the start of every episode)."""
+        """Forget queued actions and the observation history (call at the start of every episode)."""
         self._action_queue.clear()
+        self._observation_history.clear()
 
     def config_dict(self) -> dict[str, Any]:
         return {

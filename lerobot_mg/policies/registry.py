@@ -12,8 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from lerobot_mg.checkpoint.layout import ADAPTER_CONFIG_JSON
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.policies.base import CONFIG_NAME, PolicyConfig, PreTrainedPolicy, features_from_dataset
+from lerobot_mg.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
-POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy}
+POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy, "diffusion": DiffusionPolicy}
 
 
 def get_policy_class(name: str) -> type[PreTrainedPolicy]:
@@ -43,9 +44,7 @@ def make_policy(cfg: Any, dataset_features: dict[str, dict[str, Any]]) -> PreTra
             f"got {type(config).__name__}."
         )
     config.validate()
-    input_features, output_features = features_from_dataset(
-        dataset_features, getattr(config, "observation_keys", None)
-    )
+    input_features, output_features = features_from_dataset(dataset_features, config.observation_keys)
     return policy_class(config, input_features, output_features)
 
 

@@ -5,7 +5,7 @@ Two kinds of launch:
 * ``scripts/train.py`` through ``tests.launch_utils.run_train`` for what a user runs end to end;
 * this file itself as a torchrun script (``python -m torch.distributed.run ... test_fsdp_options.py
   <scenario> <out_dir>``) for checks that must look inside the processes. A scenario builds the real
-  accelerator factory, shards a toy policy with ``shard_units``, steps it with the real ``Stepper`` and writes
+  accelerator factory, shards a toy policy with ``prepare_units``, steps it with the real ``Stepper`` and writes
   one json per rank that the tests assert on. One launch serves several tests (module-scoped fixtures)
   because a torchrun start costs seconds.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -45,7 +46,7 @@ from lerobot_mg.distributed.accelerator import (
     _mixed_precision_policy,
     build_accelerator,
     launch_world,
-    shard_units,
+    prepare_units,
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.step import Stepper
@@ -157,14 +158,14 @@ class ReduceDtypeRecorder(DefaultReduceScatter):
 
 
 def scenario_wrap_checks_and_reduce_dtype() -> dict[str, Any]:
-    """Tied weights and an undeclared policy refused by ``shard_units``; then one bf16 step with a
+    """Tied weights and an undeclared policy refused by ``prepare_units``; then one bf16 step with a
     ``param_dtype``-only policy, recording the dtype FSDP2 reduces gradients in."""
     fsdp = FSDPConfig(mixed_precision_policy=MixedPrecisionPolicyConfig(param_dtype="bfloat16"))
     accelerator, dims, cfg = _setup("bf16", 2, fsdp)
     result: dict[str, Any] = {}
     for name, refused in (("tied", TiedToyPolicy()), ("undeclared", UndeclaredToyPolicy())):
         try:
-            shard_units(accelerator, refused, fsdp)
+            prepare_units(accelerator, refused, cfg.accelerator, dims)
             result[f"{name}_error"] = None
         except ValueError as error:
             result[f"{name}_error"] = str(error)
@@ -177,7 +178,7 @@ def scenario_wrap_checks_and_reduce_dtype() -> dict[str, Any]:
     torch.manual_seed(0)
     model = ToyPolicy()
     recorder = ReduceDtypeRecorder()
-    units = shard_units(accelerator, model, fsdp)
+    units = prepare_units(accelerator, model, cfg.accelerator, dims)
     for unit in units:
         model.get_submodule(unit).set_custom_reduce_scatter(recorder)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -220,7 +221,7 @@ def scenario_ignored_modules() -> dict[str, Any]:
     model = ToyPolicy()
     reference = copy.deepcopy(model)
     initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
-    shard_units(accelerator, model, fsdp)
+    prepare_units(accelerator, model, cfg.accelerator, dims)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg.optimizer.grad_clip_norm, dims)
@@ -288,8 +289,7 @@ def _fp16_overflow(dp_shard: int) -> dict[str, Any]:
     accelerator, dims, cfg = _setup("fp16", dp_shard)
     torch.manual_seed(0)
     model = ToyPolicy()
-    if dims.is_sharded:
-        shard_units(accelerator, model, cfg.accelerator.fsdp)
+    prepare_units(accelerator, model, cfg.accelerator, dims)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     stepper = Stepper(accelerator, model, optimizer, None, _identity, cfg.optimizer.grad_clip_norm, dims)
@@ -452,12 +452,12 @@ def test_policy_without_wrap_units_fails_at_startup(wrap_checks: list[dict[str, 
         message = rank_result["undeclared_error"]
         assert message is not None
         assert message.startswith(
-            "accelerator.fsdp.wrap_modules=None: UndeclaredToyPolicy declares no _fsdp_wrap_modules"
+            "accelerator.fsdp.wrap_modules=None and accelerator.fsdp.min_num_params=None: UndeclaredToyPolicy "
+            "declares no _fsdp_wrap_modules, so a sharded run would wrap only the root module"
         )
-        assert (
-            "Fix: accelerator.fsdp.wrap_modules='[\"MyTransformerBlock\"]' or "
-            "accelerator.fsdp.min_num_params=" in message
-        )
+        # Which size threshold gives how many units, and the class-name alternative.
+        assert re.search(r"Fix: accelerator\.fsdp\.min_num_params=\d+ gives \d+ units", message), message
+        assert "or accelerator.fsdp.wrap_modules='[\"MyBlock\"]'" in message
 
 
 @pytest.mark.dist

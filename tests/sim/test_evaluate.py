@@ -10,20 +10,22 @@ import numpy as np
 import pytest
 
 from lerobot_mg.data import LeRobotDataset
-from lerobot_mg.policies import ACTConfig, make_policy
+from lerobot_mg.policies import ACTConfig, DiffusionConfig, make_policy
 from lerobot_mg.processors import make_processors
 from lerobot_mg.sim import HELD_OUT_SEED_START, evaluate_policy
 from lerobot_mg.sim.cli import eval_main
 from lerobot_mg.sim.env import TransferCubeSim
-from lerobot_mg.sim.evaluate import ExpertController, policy_inputs
+from lerobot_mg.sim.evaluate import ExpertController, PolicyController, policy_inputs, run_evaluation
 
 pytestmark = pytest.mark.sim
 
 MAX_STEPS = 60
 
 
-def save_untrained_policy(directory: Path, dataset_features: dict, stats: dict) -> None:
-    config = ACTConfig(
+def save_untrained_policy(
+    directory: Path, dataset_features: dict, stats: dict, config: ACTConfig | DiffusionConfig | None = None
+) -> None:
+    config = config or ACTConfig(
         chunk_size=10,
         n_action_steps=10,
         dim_model=32,
@@ -97,6 +99,28 @@ def test_evaluate_untrained_policy(state_dataset: tuple[Path, dict], tmp_path: P
         with av.open(video) as container:
             num_frames = sum(1 for _ in container.decode(video=0))
         assert num_frames == episode["num_steps"] + 1
+
+
+def test_diffusion_rolls_out_on_its_observation_history(state_dataset: tuple[Path, dict], tmp_path: Path) -> None:
+    """Diffusion Policy in the loop: each prediction sees the last n_obs_steps observations (as in training) and
+    feeds n_action_steps actions."""
+    root, _ = state_dataset
+    dataset = LeRobotDataset(root)
+    config = DiffusionConfig(horizon=8, n_action_steps=4, down_dims=[16, 32], diffusion_step_embed_dim=16,
+                             noise_scheduler_type="DDIM", num_inference_steps=2)
+    save_untrained_policy(tmp_path, dataset.features, dataset.stats, config)
+    controller = PolicyController(tmp_path)
+    shapes: list[tuple[int, ...]] = []
+    predict = controller.policy.predict_action_chunk
+
+    def recording_predict(batch: dict) -> object:
+        shapes.append(tuple(batch["observation.state"].shape))
+        return predict(batch)
+
+    controller.policy.predict_action_chunk = recording_predict  # type: ignore[method-assign]
+    result = run_evaluation(controller, n_episodes=1, seed_start=HELD_OUT_SEED_START, max_steps=10)
+    num_steps = result["per_episode"][0]["num_steps"]
+    assert shapes == [(1, 2, 14)] * -(-num_steps // 4)
 
 
 def test_policy_with_inputs_the_simulation_lacks_is_rejected(tmp_path: Path) -> None:

@@ -143,7 +143,7 @@ def test_prepare_wraps_only_the_root_around_units_sharded_before(world_of_one: N
     units = sorted(name for name, module in prepared.named_modules() if isinstance(module, FSDPModule))
     assert prepared is model and units == ["", "blocks.0", "blocks.1"], (
         f"accelerate.prepare with auto_wrap_policy='no_wrap' now gives FSDP units {units} (expected the root "
-        "around the two units sharded before it): shard_units in "
+        "around the two units sharded before it): prepare_units in "
         f"{FACTORY} relies on prepare leaving already-FSDPModule children alone and adding only the root."
     )
 
@@ -155,7 +155,7 @@ def test_ignored_modules_regex_maps_to_parameters() -> None:
     params = get_parameters_from_modules(r"head", model, torch.device("cpu"))
     assert params == {model.head.weight, model.head.bias}, (
         "accelerate.utils.fsdp_utils.get_parameters_from_modules no longer maps a module-path regex "
-        f"(full match) to that module's parameters; shard_units in {FACTORY} passes "
+        f"(full match) to that module's parameters; prepare_units in {FACTORY} passes "
         "accelerator.fsdp.ignored_modules through it."
     )
 
@@ -164,11 +164,11 @@ def test_fsdp_dim_names_name_the_sharding_mesh() -> None:
     fsdp = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2)
     hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     assert (fsdp.fsdp_dim_names, hsdp.fsdp_dim_names) == (["dp_shard_cp"], ["dp_replicate", "dp_shard_cp"]), (
-        f"ParallelismConfig.fsdp_dim_names changed ({fsdp.fsdp_dim_names}, {hsdp.fsdp_dim_names}): shard_units in "
+        f"ParallelismConfig.fsdp_dim_names changed ({fsdp.fsdp_dim_names}, {hsdp.fsdp_dim_names}): prepare_units in "
         f"{FACTORY} slices accelerator.torch_device_mesh with them to shard our units on the same mesh as the root."
     )
     assert isinstance(Accelerator.__dict__.get("torch_device_mesh"), property), (
-        f"Accelerator.torch_device_mesh is gone; shard_units in {FACTORY} reads the device mesh from it."
+        f"Accelerator.torch_device_mesh is gone; prepare_units in {FACTORY} reads the device mesh from it."
     )
 
 

@@ -15,6 +15,7 @@ from lerobot_mg.policies import (
     POLICIES,
     ACTConfig,
     ACTPolicy,
+    DiffusionPolicy,
     features_from_dataset,
     get_policy_class,
     load_policy,
@@ -298,12 +299,12 @@ def test_default_config_is_valid_and_a_structured_hydra_schema() -> None:
 
 
 def test_registry() -> None:
-    assert POLICIES == {"act": ACTPolicy}
+    assert POLICIES == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
     assert get_policy_class("act") is ACTPolicy
     with pytest.raises(
-        ValueError, match=r"policy\.type='diffusion' is not a known policy; choose one of \['act'\]"
+        ValueError, match=r"policy\.type='vqbet' is not a known policy; choose one of \['act', 'diffusion'\]"
     ):
-        get_policy_class("diffusion")
+        get_policy_class("vqbet")
 
 
 def test_make_policy_from_hydra_config_and_dataset_features() -> None:

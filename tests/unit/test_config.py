@@ -597,11 +597,16 @@ FSDP_ONLY = [
 def test_fsdp_option_on_a_non_sharded_run_is_refused(override: str, start: str) -> None:
     message = _validation_error([*VALID, override], world_size=2)
     key = start.split("=")[0]
+    unit_rule = key.endswith(("wrap_modules", "min_num_params"))
+    aside = " (or to choose the units of accelerator.activation_checkpointing / accelerator.compile)"
     assert message.startswith(
-        f"{start}: only applies to sharded runs, and this run is not sharded (parallelism.dp_shard=1)"
+        f"{start}: only applies to sharded runs{aside if unit_rule else ''}, and this run is not sharded "
+        "(parallelism.dp_shard=1)"
     ), message
     assert message.endswith(f". Fix: parallelism.dp_shard=-1 to shard, or remove {key}")
     validate(_train_config([*VALID, override, "parallelism=fsdp"]), world_size=2)  # the fix works
+    if unit_rule:  # the unit rules also choose what activation checkpointing recomputes, sharded or not
+        validate(_train_config([*VALID, override, "accelerator.activation_checkpointing=true"]), world_size=2)
 
 
 @pytest.mark.parametrize("checkpoint_format", ["dcp", "safetensors_dcp"])

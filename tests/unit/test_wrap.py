@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
+import torch
 from torch import nn
 
-from lerobot_mg.distributed.wrap import find_split_ties, select_wrap_units
-from lerobot_mg.policies import ACTConfig, ACTPolicy
+from lerobot_mg.distributed.wrap import find_split_ties, select_wrap_units, size_rule_options
+from lerobot_mg.policies import ACTConfig, ACTPolicy, DiffusionConfig, DiffusionPolicy
 
 
 class Block(nn.Module):
@@ -119,18 +120,35 @@ def test_size_policy_counts_only_parameters_no_smaller_unit_claimed() -> None:
     assert _names(units) == ["encoder.blocks.0.linear", "encoder.blocks.1.linear", "encoder.blocks.2.linear"]
 
 
-def test_no_declaration_and_no_override_fails() -> None:
+def test_no_declaration_and_no_override_fails_with_thresholds_to_pick_from() -> None:
     with pytest.raises(ValueError) as error:
         select_wrap_units(Undeclared(), wrap_modules=None, min_num_params=None)
+    # 4 Linear(8, 8) of 72 parameters and a head of 18: at 38 the four linears are units, at 9 the head too.
     assert str(error.value) == (
-        "accelerator.fsdp.wrap_modules=None: Undeclared declares no _fsdp_wrap_modules, so a sharded run "
-        "would wrap only the root module and save no memory. Fix: "
-        "accelerator.fsdp.wrap_modules='[\"MyTransformerBlock\"]' "
-        "or accelerator.fsdp.min_num_params=1000000"
+        "accelerator.fsdp.wrap_modules=None and accelerator.fsdp.min_num_params=None: Undeclared declares no "
+        "_fsdp_wrap_modules, so a sharded run would wrap only the root module and save no memory. Fix: "
+        "accelerator.fsdp.min_num_params=38 gives 4 units, accelerator.fsdp.min_num_params=9 gives 5 units "
+        "(of 306 parameters), or accelerator.fsdp.wrap_modules='[\"MyBlock\"]'"
     )
-    # Either override makes the same model shardable.
+    # Either override makes the same model shardable, and the suggested thresholds give what they say.
     assert _names(select_wrap_units(Undeclared(), ["Block"], None)[0])[0] == "encoder.blocks.0"
     assert _names(select_wrap_units(Undeclared(), None, 50)[0])[0] == "encoder.blocks.0.linear"
+    for threshold, num_units in size_rule_options(Undeclared()):
+        assert len(select_wrap_units(Undeclared(), None, threshold)[0]) == num_units
+
+
+def test_size_thresholds_for_the_default_diffusion_policy() -> None:
+    """The suggestions a user of policy=diffusion sees on a sharded run without a unit rule (LeRobot's default
+    U-Net, 248.6M parameters with a 14-dim state and action): distinct unit counts from a handful up."""
+    with torch.device("meta"):  # sizes only: no 1 GB of weights to initialise
+        policy = DiffusionPolicy(
+            DiffusionConfig(),
+            {"observation.state": {"type": "STATE", "shape": [14]}},
+            {"action": {"type": "ACTION", "shape": [14]}},
+        )
+    assert sum(p.numel() for p in policy.parameters()) == 248_573_070
+    # Half the size (120M) and a quarter (62M) leave one unit: the first suggestion is an eighth.
+    assert size_rule_options(policy) == [(31_000_000, 5), (16_000_000, 9), (7_800_000, 14), (3_900_000, 19)]
 
 
 def test_unknown_wrap_class_names_the_classes_that_exist() -> None:

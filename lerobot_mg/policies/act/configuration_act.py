@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FEATURE_TYPES = ("VISUAL", "STATE", "ENV", "ACTION")
-NORMALIZATION_MODES = ("MEAN_STD", "MIN_MAX", "IDENTITY")
+from lerobot_mg.policies.config_checks import (
+    check_inputs_and_normalization,
+    check_positive_ints,
+    check_vision_channels,
+)
+
 FEEDFORWARD_ACTIVATIONS = ("relu", "gelu")
 
 
@@ -53,6 +57,11 @@ class ACTConfig:
     normalization_mapping: dict[str, str] = field(default_factory=_default_normalization_mapping)
 
     @property
+    def observation_delta_indices(self) -> None:
+        """ACT reads the current frame only."""
+        return None
+
+    @property
     def action_delta_indices(self) -> list[int]:
         """Frame offsets of the action chunk the dataset must load for each sample."""
         return list(range(self.chunk_size))
@@ -73,9 +82,7 @@ class ACTConfig:
         }
         if self.use_vae:
             positive_ints["n_vae_encoder_layers"] = self.n_vae_encoder_layers
-        for name, value in positive_ints.items():
-            if value < 1:
-                raise ValueError(f"policy.{name}={value} must be >= 1; pass e.g. policy.{name}=1.")
+        check_positive_ints(positive_ints)
         if self.n_action_steps > self.chunk_size:
             raise ValueError(
                 f"policy.n_action_steps={self.n_action_steps} exceeds policy.chunk_size={self.chunk_size}: "
@@ -99,27 +106,5 @@ class ACTConfig:
             raise ValueError(
                 f"policy.kl_weight={self.kl_weight} must be >= 0; pass e.g. policy.kl_weight=10."
             )
-        if not self.vision_channels or any(width < 1 for width in self.vision_channels):
-            raise ValueError(
-                f"policy.vision_channels={list(self.vision_channels)} needs at least one positive stage width; "
-                "pass e.g. policy.vision_channels=[32,64,128,256]."
-            )
-        for feature_type, mode in self.normalization_mapping.items():
-            if feature_type not in FEATURE_TYPES:
-                raise ValueError(
-                    f"policy.normalization_mapping has unknown feature type {feature_type!r}; "
-                    f"use one of {list(FEATURE_TYPES)}."
-                )
-            if mode not in NORMALIZATION_MODES:
-                raise ValueError(
-                    f"policy.normalization_mapping.{feature_type}={mode!r} is not one of "
-                    f"{list(NORMALIZATION_MODES)}; pass e.g. policy.normalization_mapping.{feature_type}=MEAN_STD."
-                )
-        if self.observation_keys is not None:
-            bad_keys = [key for key in self.observation_keys if not key.startswith("observation.")]
-            if not self.observation_keys or bad_keys:
-                raise ValueError(
-                    f"policy.observation_keys={list(self.observation_keys)} must be a non-empty list of "
-                    "`observation.*` dataset keys; pass e.g. policy.observation_keys=[observation.state] "
-                    "or policy.observation_keys=null for all of them."
-                )
+        check_vision_channels(self.vision_channels, "[32,64,128,256]")
+        check_inputs_and_normalization(self)

@@ -7,9 +7,7 @@ decoder runs `chunk_size` learned queries against the encoder output and an acti
 chunk of actions. With `use_vae`, a separate encoder over [cls, state, action chunk] produces the latent
 during training (zeros at inference), regularised by a KL term.
 
-The vision backbone is our own small ResNet (BasicBlocks, one per stage) with GroupNorm instead of
-BatchNorm: no running statistics to keep in sync across data-parallel ranks, and results that do not
-depend on the per-rank batch size.
+The vision backbone is our own small ResNet (lerobot_mg.policies.vision), trained from scratch.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from torch import Tensor, nn
 
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy
+from lerobot_mg.policies.vision import VisionBackbone
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 
@@ -52,54 +51,6 @@ def sinusoid_2d(height: int, width: int, dim: int, device: torch.device) -> Tens
         dim=-1,
     )
     return grid_HWD.reshape(height * width, dim)
-
-
-def _group_norm(num_channels: int) -> nn.GroupNorm:
-    # gcd keeps any channel count valid; 32 groups is the usual choice for wide layers.
-    return nn.GroupNorm(math.gcd(num_channels, 32), num_channels)
-
-
-class BasicBlock(nn.Module):
-    """ResNet basic block (two 3x3 convs + identity/projection shortcut), GroupNorm."""
-
-    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
-        self.norm1 = _group_norm(out_channels)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
-        self.norm2 = _group_norm(out_channels)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), _group_norm(out_channels)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = F.relu(self.norm1(self.conv1(x)))
-        out = self.norm2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
-
-
-class VisionBackbone(nn.Module):
-    """Stride-2 stem then one BasicBlock per stage width; every stage after the first halves H and W."""
-
-    def __init__(self, in_channels: int, stage_channels: list[int]) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, stage_channels[0], 3, stride=2, padding=1, bias=False),
-            _group_norm(stage_channels[0]),
-            nn.ReLU(),
-        )
-        blocks = []
-        previous = stage_channels[0]
-        for index, width in enumerate(stage_channels):
-            blocks.append(BasicBlock(previous, width, stride=1 if index == 0 else 2))
-            previous = width
-        self.stages = nn.Sequential(*blocks)
-        self.num_out_channels = previous
-
-    def forward(self, images_BCHW: Tensor) -> Tensor:
-        return self.stages(self.stem(images_BCHW))
 
 
 class ACTEncoderLayer(nn.Module):
@@ -359,10 +310,7 @@ class ACTPolicy(PreTrainedPolicy):
         self.model = ACT(config, self.input_features, self.output_features)
 
     def _check_inputs(self, batch: dict[str, Tensor], need_action: bool) -> None:
-        required = list(self.input_features) + (["action"] if need_action else [])
-        missing = [key for key in required if key not in batch]
-        if missing:
-            raise ValueError(f"ACT batch lacks {missing}; it has {sorted(batch)}.")
+        self._require_keys(batch, need_action)
         if need_action and batch["action"].shape[1] != self.config.chunk_size:
             raise ValueError(
                 f"The batch's action chunk has {batch['action'].shape[1]} steps but "

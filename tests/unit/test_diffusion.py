@@ -1,0 +1,289 @@
+"""Diffusion Policy: shapes, per-sample noise, the samplers, observation history, save/load, sizes, config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lerobot_mg.data.sampler import sample_seeds
+from lerobot_mg.policies import DiffusionConfig, DiffusionPolicy, delta_timestamps, load_policy, make_policy
+from lerobot_mg.policies.act.configuration_act import ACTConfig
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY
+from lerobot_mg.policies.diffusion.modeling_diffusion import NoiseSchedule
+from tests.launch_utils import PUSHT_SLICE
+
+STATE_DIM, ACTION_DIM, HORIZON, N_OBS, BATCH = 3, 2, 8, 2, 4
+STATE_ONLY_INPUTS = {
+    "observation.state": {"type": "STATE", "shape": [STATE_DIM]},
+    "observation.environment_state": {"type": "ENV", "shape": [2]},
+}
+IMAGE_INPUTS = {
+    "observation.state": {"type": "STATE", "shape": [STATE_DIM]},
+    "observation.images.top": {"type": "VISUAL", "shape": [3, 20, 24]},
+}
+OUTPUTS = {"action": {"type": "ACTION", "shape": [ACTION_DIM]}}
+
+
+def tiny_config(**overrides: object) -> DiffusionConfig:
+    config = DiffusionConfig(
+        n_obs_steps=N_OBS,
+        horizon=HORIZON,
+        n_action_steps=4,
+        vision_channels=[8, 16],
+        spatial_softmax_num_keypoints=4,
+        crop_shape=[16, 16],
+        down_dims=[16, 32],
+        diffusion_step_embed_dim=16,
+        num_train_timesteps=20,
+    )
+    return replace(config, **overrides)
+
+
+def make_batch(input_features: dict, seed: int = 0, seeds: bool = True) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    batch = {key: torch.randn(BATCH, N_OBS, *spec["shape"], generator=generator) for key, spec in input_features.items()}
+    batch["action"] = torch.randn(BATCH, HORIZON, ACTION_DIM, generator=generator).clamp(-1, 1)
+    batch["action_is_pad"] = torch.zeros(BATCH, HORIZON, dtype=torch.bool)
+    if seeds:
+        batch[SAMPLE_SEED_KEY] = sample_seeds(7, 0, torch.arange(BATCH))
+    return batch
+
+
+def _slice(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
+def test_forward_backward_reaches_every_parameter(input_features: dict) -> None:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(), input_features, OUTPUTS).train()
+    loss, logs = policy(make_batch(input_features))
+    assert loss.ndim == 0 and torch.isfinite(loss) and logs == {}
+    loss.backward()
+    # DDP without find_unused_parameters needs every parameter to take part in the training loss.
+    assert [name for name, param in policy.named_parameters() if param.grad is None] == []
+    policy.eval()
+    chunk = policy.predict_action_chunk(make_batch(input_features))
+    assert chunk.shape == (BATCH, HORIZON, ACTION_DIM)
+
+
+@pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
+def test_noise_follows_the_sample_so_any_split_of_the_batch_gives_the_same_gradient(input_features: dict) -> None:
+    """What makes DDP, FSDP and accumulation match one process: each sample draws its timestep, noise and crop
+    from its own seed, so two half batches average to the whole batch's loss and gradient."""
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(), input_features, OUTPUTS).train()
+    batch = make_batch(input_features)
+    whole, _ = policy(batch)
+    whole.backward()
+    whole_grads = [param.grad.clone() for param in policy.parameters()]
+    policy.zero_grad()
+    halves = [policy(_slice(batch, rows))[0] for rows in (slice(0, 2), slice(2, 4))]
+    (sum(halves) / 2).backward()
+    torch.testing.assert_close(sum(halves).item() / 2, whole.item(), rtol=1e-6, atol=0)
+    for param, expected in zip(policy.parameters(), whole_grads):
+        torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-6)
+    # Other seeds: other noise (a loss that ignored the seeds would not move).
+    reseeded = dict(batch, **{SAMPLE_SEED_KEY: sample_seeds(7, 1, torch.arange(BATCH))})
+    assert abs(policy(reseeded)[0].item() - whole.item()) > 1e-4
+    # The negative control: noise from the global RNG (as ranks seeded seed + rank would draw it) does not split.
+    unseeded = {key: value for key, value in batch.items() if key != SAMPLE_SEED_KEY}
+    torch.manual_seed(0)
+    whole_unseeded = policy(unseeded)[0].item()
+    torch.manual_seed(0)
+    first_half = policy(_slice(unseeded, slice(0, 2)))[0].item()
+    torch.manual_seed(1)
+    second_half = policy(_slice(unseeded, slice(2, 4)))[0].item()
+    assert abs((first_half + second_half) / 2 - whole_unseeded) > 1e-3
+
+
+def test_without_seeds_the_global_rng_draws_the_noise() -> None:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS).train()
+    batch = make_batch(STATE_ONLY_INPUTS, seeds=False)
+    torch.manual_seed(1)
+    first = policy(batch)[0].item()
+    torch.manual_seed(1)
+    assert policy(batch)[0].item() == first
+    assert policy(batch)[0].item() != first
+
+
+def test_sample_seeds_depend_on_seed_epoch_and_index_only() -> None:
+    seeds = sample_seeds(3, 0, torch.tensor([5, 6, 7]))
+    assert seeds.dtype == torch.int64 and (seeds >= 0).all() and len(set(seeds.tolist())) == 3
+    assert torch.equal(sample_seeds(3, 0, torch.tensor([7, 5])), seeds[[2, 0]])  # order and batch do not matter
+    assert not set(sample_seeds(3, 1, torch.tensor([5, 6, 7])).tolist()) & set(seeds.tolist())
+    assert not set(sample_seeds(4, 0, torch.tensor([5, 6, 7])).tolist()) & set(seeds.tolist())
+
+
+def test_padded_frames_count_as_zero_error_only_when_masked() -> None:
+    torch.manual_seed(0)
+    masked = DiffusionPolicy(tiny_config(do_mask_loss_for_padding=True), STATE_ONLY_INPUTS, OUTPUTS)
+    unmasked = DiffusionPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS)
+    unmasked.load_state_dict(masked.state_dict())
+    batch = make_batch(STATE_ONLY_INPUTS)
+    all_valid = masked(batch)[0].item()
+    assert all_valid == unmasked(batch)[0].item()
+    batch["action_is_pad"][:, -3:] = True
+    # The same draws and predictions: masking drops the padded frames' squared errors, the mean keeps its
+    # denominator (every sample weighs the same whatever its padding).
+    assert masked(batch)[0].item() < unmasked(batch)[0].item() == all_valid
+    batch["action_is_pad"][:] = True
+    assert masked(batch)[0].item() == 0.0
+
+
+@pytest.mark.parametrize("scheduler", ["DDPM", "DDIM"])
+@pytest.mark.parametrize("prediction_type", ["epsilon", "sample"])
+def test_samplers_recover_the_clean_chunk_from_an_oracle(scheduler: str, prediction_type: str) -> None:
+    """With the true noise (or the true chunk) as the model's prediction, every reverse step lands back on the
+    clean chunk: DDIM exactly at each step, DDPM at its last (noise-free) step."""
+    config = tiny_config(noise_scheduler_type=scheduler, prediction_type=prediction_type, num_inference_steps=5)
+    schedule = NoiseSchedule(config)
+    assert schedule.inference_timesteps() == [16, 12, 8, 4, 0]
+    clean = torch.rand(2, HORIZON, ACTION_DIM) * 2 - 1
+    torch.manual_seed(0)
+    sample = torch.randn_like(clean)
+    for timestep in schedule.inference_timesteps():
+        alpha_bar = schedule.alphas_cumprod[timestep].float()
+        noise = (sample - alpha_bar.sqrt() * clean) / (1 - alpha_bar).sqrt()
+        sample = schedule.step(noise if prediction_type == "epsilon" else clean, timestep, sample)
+    torch.testing.assert_close(sample, clean, rtol=0, atol=1e-5)
+
+
+def test_squaredcos_schedule_matches_the_cosine_formula() -> None:
+    """alpha_bar(t) = f(t) / f(0) with f(t) = cos^2((t / T + s) / (1 + s) * pi / 2), s = 0.008 (Nichol &
+    Dhariwal 2021), wherever no beta hits the 0.999 cap."""
+    schedule = NoiseSchedule(tiny_config(num_train_timesteps=100))
+    steps = torch.arange(1, 101, dtype=torch.float64) / 100
+    f_0 = torch.cos(torch.tensor(0.008 / 1.008 * torch.pi / 2, dtype=torch.float64)) ** 2
+    f = torch.cos((steps + 0.008) / 1.008 * torch.pi / 2) ** 2 / f_0
+    torch.testing.assert_close(schedule.alphas_cumprod[:90], f[:90], rtol=1e-9, atol=0)
+    assert schedule.alphas_cumprod[-1] < 1e-4  # the last step is (nearly) pure noise
+
+
+def test_select_action_keeps_the_observation_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history a chunk is predicted from is what the dataset gives in training (the first frame repeated at
+    an episode's start), and the actions run from the current frame on, n_action_steps of them."""
+    policy = DiffusionPolicy(tiny_config(), {"observation.state": STATE_ONLY_INPUTS["observation.state"]}, OUTPUTS)
+    policy.eval()
+    seen: list[torch.Tensor] = []
+    chunk = torch.arange(HORIZON, dtype=torch.float32)[None, :, None].expand(1, HORIZON, ACTION_DIM)
+
+    def fake_predict(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append(batch["observation.state"].clone())
+        return chunk + 100 * len(seen)
+
+    monkeypatch.setattr(policy, "predict_action_chunk", fake_predict)
+    observations = [torch.full((1, STATE_DIM), float(step)) for step in range(6)]
+    actions = [policy.select_action({"observation.state": obs})[0, 0].item() for obs in observations]
+    # Frame n_obs_steps - 1 = 1 of the chunk is the current one; 4 actions per chunk.
+    assert actions == [101, 102, 103, 104, 201, 202]
+    assert seen[0].shape == (1, N_OBS, STATE_DIM)
+    assert seen[0][0, :, 0].tolist() == [0.0, 0.0] and seen[1][0, :, 0].tolist() == [3.0, 4.0]
+    policy.reset()
+    policy.select_action({"observation.state": observations[5]})
+    assert seen[2][0, :, 0].tolist() == [5.0, 5.0]
+
+
+def test_select_action_runs_the_real_sampler() -> None:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(noise_scheduler_type="DDIM", num_inference_steps=4), IMAGE_INPUTS, OUTPUTS)
+    policy.eval()
+    observation = {key: value[:, -1] for key, value in make_batch(IMAGE_INPUTS).items() if key in IMAGE_INPUTS}
+    action = policy.select_action(observation)
+    assert action.shape == (BATCH, ACTION_DIM) and torch.isfinite(action).all()
+    assert action.abs().max() <= 1.0  # clip_sample keeps the clean chunk in [-1, 1]
+
+
+@pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
+def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> None:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(), input_features, OUTPUTS)
+    policy.save_pretrained(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["type"] == "diffusion" and config["down_dims"] == [16, 32] and config["crop_shape"] == [16, 16]
+    assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
+
+    loaded = load_policy(tmp_path)
+    assert isinstance(loaded, DiffusionPolicy) and not loaded.training and loaded.config == policy.config
+    policy.eval()
+    batch = make_batch(input_features)
+    torch.manual_seed(5)
+    expected = policy.predict_action_chunk(batch)
+    torch.manual_seed(5)
+    assert torch.equal(loaded.predict_action_chunk(batch), expected)
+
+
+def test_image_crop_is_random_in_training_and_central_at_inference() -> None:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(tiny_config(), IMAGE_INPUTS, OUTPUTS)
+    batch = make_batch(IMAGE_INPUTS)
+    _, _, corners = policy._training_draws(batch, BATCH)
+    assert corners is not None and len(set(corners["observation.images.top"])) > 1
+    assert all(0 <= top <= 4 and 0 <= left <= 8 for top, left in corners["observation.images.top"])
+    central = policy._crop(batch, None)["observation.images.top"]
+    torch.testing.assert_close(central, batch["observation.images.top"][..., 2:18, 4:20])
+    assert policy._training_draws(batch, BATCH)[2] == corners  # the sample seeds fix them
+    assert DiffusionPolicy(tiny_config(crop_is_random=False), IMAGE_INPUTS, OUTPUTS)._training_draws(batch, BATCH)[2] is None
+
+
+def test_default_sizes_are_lerobots() -> None:
+    """LeRobot's defaults (down_dims 512-1024-2048, kernel 5, step embedding 128, FiLM scale): its U-Net for PushT
+    (2-dim state and action, one camera) has 251.5M parameters, and ours has the same; our vision encoder
+    replaces ResNet-18 (11.2M) with 1.2M."""
+    with torch.device("meta"):
+        policy = DiffusionPolicy(
+            DiffusionConfig(),
+            {"observation.state": {"type": "STATE", "shape": [2]},
+             "observation.image": {"type": "VISUAL", "shape": [3, 96, 96]}},
+            {"action": {"type": "ACTION", "shape": [2]}},
+        )
+    assert sum(p.numel() for p in policy.unet.parameters()) == 251_511_938
+    assert sum(p.numel() for p in policy.parameters()) == 252_750_722
+
+
+def test_delta_timestamps_serve_the_history_and_the_chunk() -> None:
+    info = json.loads((PUSHT_SLICE / "meta" / "info.json").read_text())
+    fps = info["fps"]
+    offsets = delta_timestamps(tiny_config(observation_keys=["observation.state"]), info["features"], fps)
+    assert offsets == {
+        "action": [step / fps for step in range(-1, HORIZON - 1)],
+        "observation.state": [-1 / fps, 0.0],
+    }
+    # ACT: the current frame alone (no time dim) and a chunk from now on.
+    assert delta_timestamps(ACTConfig(chunk_size=3), info["features"], fps) == {"action": [0.0, 1 / fps, 2 / fps]}
+
+
+def test_make_policy_from_the_pusht_features() -> None:
+    info = json.loads((PUSHT_SLICE / "meta" / "info.json").read_text())
+    policy = make_policy(tiny_config(crop_shape=[84, 84]), info["features"])
+    assert isinstance(policy, DiffusionPolicy)
+    assert policy.input_features["observation.image"] == {"type": "VISUAL", "shape": [3, 96, 96]}
+    with pytest.raises(ValueError, match=r"policy.crop_shape=\[100, 84\] is larger than the images"):
+        make_policy(tiny_config(crop_shape=[100, 84]), info["features"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"horizon": 9}, r"policy.horizon=9 is not a multiple of 2, .* Set policy.horizon=10"),
+        ({"n_action_steps": 8}, r"policy.n_action_steps=8 exceeds the 7 frames"),
+        ({"n_groups": 5}, r"policy.n_groups=5 does not divide the U-Net widths \[16, 32\]"),
+        ({"kernel_size": 4}, r"policy.kernel_size=4 must be odd"),
+        ({"noise_scheduler_type": "DPM"}, r"policy.noise_scheduler_type='DPM' is not one of \['DDPM', 'DDIM'\]"),
+        ({"num_inference_steps": 30}, r"policy.num_inference_steps=30 exceeds policy.num_train_timesteps=20"),
+        ({"crop_shape": [84]}, r"policy.crop_shape=\[84\] must be \[height, width\]"),
+        ({"down_dims": []}, r"policy.down_dims=\[\] needs at least one positive width"),
+        ({"n_obs_steps": 0}, r"policy.n_obs_steps=0 must be >= 1"),
+        ({"normalization_mapping": {"ACTION": "MINMAX"}}, r"policy.normalization_mapping.ACTION='MINMAX'"),
+    ],
+)
+def test_config_validation_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides).validate()
+    DiffusionConfig().validate()
