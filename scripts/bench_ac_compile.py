@@ -93,7 +93,7 @@ def _trainer_pieces(policy_cfg: Any, acc_overrides: dict[str, Any], dp_shard: in
     prepare_units(accelerator, policy, cfg.accelerator, dims)
     optimizer = make_optimizer(policy, cfg.optimizer)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    return Stepper(accelerator, model, optimizer, None, lambda batch: batch, cfg, dims), policy
+    return Stepper(accelerator, model, optimizer, None, lambda batch: batch, cfg.optimizer.grad_clip_norm, dims), policy
 
 
 def _reset_accelerate() -> None:

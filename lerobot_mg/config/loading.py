@@ -125,7 +125,10 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
         key: OmegaConf.select(composed, key) for key in override_keys(overrides)
         if key.startswith("policy.") and key != "policy.path"
     }
-    base = {f"policy.{name}": value for name, value in read_policy_config(path).items()}
+    saved = read_policy_config(path)
+    if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
+        composed.policy = OmegaConf.structured(get_policy_class(str(saved["type"])).config_class)
+    base = {f"policy.{name}": value for name, value in saved.items()}
     for key, value in {**base, "policy.path": path, **kept}.items():
         OmegaConf.update(composed, key, value, merge=False)
     return composed

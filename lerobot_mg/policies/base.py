@@ -42,6 +42,7 @@ class PolicyConfig(Protocol):
     """What the base class and the trainer need from a policy config dataclass."""
 
     type: str
+    path: str | None  # a pretrained_model/ directory to fine-tune, or None
     observation_keys: list[str] | None
     n_action_steps: int
     normalization_mapping: dict[str, str]

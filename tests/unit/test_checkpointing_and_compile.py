@@ -179,7 +179,7 @@ def _losses(compile_units: bool, dims: ParallelDims, num_steps: int) -> list[flo
     assert units == compiled == (["blocks.0", "blocks.1"] if compile_units else [])
     optimizer = make_optimizer(policy, cfg.optimizer)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    stepper = Stepper(accelerator, model, optimizer, None, lambda batch: batch, cfg, dims)
+    stepper = Stepper(accelerator, model, optimizer, None, lambda batch: batch, cfg.optimizer.grad_clip_norm, dims)
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(num_steps):

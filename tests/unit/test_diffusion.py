@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lerobot_mg.config.loading import apply_policy_path, to_train_config
 from lerobot_mg.data.sampler import sample_seeds
 from lerobot_mg.policies import DiffusionConfig, DiffusionPolicy, delta_timestamps, load_policy, make_policy
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 from lerobot_mg.policies.diffusion.modeling_diffusion import NoiseSchedule
 from tests.launch_utils import PUSHT_SLICE
+from tests.unit.test_config import _compose
 
 STATE_DIM, ACTION_DIM, HORIZON, N_OBS, BATCH = 3, 2, 8, 2, 4
 STATE_ONLY_INPUTS = {
@@ -266,6 +268,20 @@ def test_make_policy_from_the_pusht_features() -> None:
     assert policy.input_features["observation.image"] == {"type": "VISUAL", "shape": [3, 96, 96]}
     with pytest.raises(ValueError, match=r"policy.crop_shape=\[100, 84\] is larger than the images"):
         make_policy(tiny_config(crop_shape=[100, 84]), info["features"])
+
+
+def test_policy_path_to_a_diffusion_base_makes_a_diffusion_run(tmp_path: Path) -> None:
+    """The base decides the policy type, whatever the preset; naming its preset lets the command line override
+    the base's own keys."""
+    base = tmp_path / "pretrained_model"
+    torch.manual_seed(0)
+    pusht_state = {"observation.state": {"type": "STATE", "shape": [2]}}
+    DiffusionPolicy(tiny_config(observation_keys=["observation.state"]), pusht_state, OUTPUTS).save_pretrained(base)
+    for extra, inference_steps in (([], None), (["policy=diffusion", "policy.num_inference_steps=5"], 5)):
+        overrides = [f"dataset.root={PUSHT_SLICE}", f"policy.path={base}", *extra]
+        policy = to_train_config(apply_policy_path(_compose(overrides), overrides)).policy
+        assert isinstance(policy, DiffusionConfig) and policy.path == str(base)
+        assert (policy.down_dims, policy.horizon, policy.num_inference_steps) == ([16, 32], HORIZON, inference_steps)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,9 @@ class DiffusionConfig:
     the 1-D temporal convolutional U-Net with FiLM conditioning, LeRobot-compatible field names."""
 
     type: str = "diffusion"
+    # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
+    # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
+    path: str | None = None
     # Dataset keys fed to the policy; None means every `observation.*` key of the dataset.
     observation_keys: list[str] | None = None
     # Frames of observation history, frames of actions predicted (starting n_obs_steps - 1 frames in the past),
