@@ -1,11 +1,11 @@
 """What the benchmark scripts share: figures printed with their goal beside them and written to
-``outputs/bench/<bench>.json`` as a list of ``{name, value, goal, unit}`` records (``goal`` a comparison such as
-``"<= 0.55"``, or null for a figure reported without one), and a launcher for measurements on 2 gloo ranks."""
+``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit}`` records (``goal`` an upper bound, as
+scripts/bench_peft.py writes them, or null for a figure reported without one), and a launcher for measurements on
+2 gloo ranks."""
 
 from __future__ import annotations
 
 import json
-import operator
 import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -17,26 +17,21 @@ import torch.multiprocessing as mp
 from lerobot_mg.config.schema import REPO_ROOT
 
 BENCH_DIR = REPO_ROOT / "outputs" / "bench"
-_COMPARISONS = {"<=": operator.le, ">=": operator.ge}
 
 
 @dataclass(frozen=True)
 class BenchResult:
     name: str
     value: float
-    goal: str | None  # "<= 0.55", ">= 1.0", or None
+    goal: float | None  # the value is meant to stay at or below it; None: reported without a goal
     unit: str
 
-    def met(self) -> bool | None:
-        if self.goal is None:
-            return None
-        comparison, bound = self.goal.split()
-        return _COMPARISONS[comparison](self.value, float(bound))
-
     def line(self) -> str:
-        verdict = {None: "", True: "  (goal {goal}: met)", False: "  (goal {goal}: NOT met)"}[self.met()]
         value = f"{int(self.value):,}" if float(self.value).is_integer() else f"{self.value:.4g}"
-        return f"{self.name} = {value} {self.unit}{verdict.format(goal=self.goal)}"
+        verdict = "" if self.goal is None else (
+            f"  (goal <= {self.goal:g}: {'met' if self.value <= self.goal else 'NOT met'})"
+        )
+        return f"{self.name} = {value} {self.unit}{verdict}"
 
 
 def report(bench: str, results: list[BenchResult], directory: Path = BENCH_DIR) -> Path:
