@@ -1,6 +1,6 @@
 """Every user-facing config check, in one place, run on every rank before any process group exists.
 
-Each failure is a ``ValueError`` naming the dotted key, the bad value and the override that fixes it.
+Each failure is a ``ConfigError`` (lerobot_mg/errors.py) naming the dotted key, the bad value and the override that fixes it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.distributed.wrap import compile_unavailable_reason
+from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ SCHEDULERS = ("none", "constant", "cosine")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-def config_error(key: str, value: object, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{key}={value!r}: {problem}. Fix: {fix}")
+def config_error(key: str, value: object, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
 
 
 def report_user_error(error: ValueError) -> None:
