@@ -1,7 +1,7 @@
 """What the benchmark scripts share: figures printed with their goal beside them and written to
-``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit}`` records (``goal`` an upper bound, as
-scripts/bench_peft.py writes them, or null for a figure reported without one), and a launcher for measurements on
-2 gloo ranks."""
+``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the
+value is meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported
+without a goal), and a launcher for measurements on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,40 @@ from lerobot_mg.config.schema import REPO_ROOT
 BENCH_DIR = REPO_ROOT / "outputs" / "bench"
 
 
+class GoalIs(str, Enum):
+    """Which side of its goal a figure is meant to stay on (a str so that it writes to JSON as its value)."""
+
+    AT_MOST = "at_most"  # a cost: time, bytes, a slowdown ratio
+    AT_LEAST = "at_least"  # a speed: samples/s, a speed-up ratio
+
+    def met(self, value: float, goal: float) -> bool:
+        return value <= goal if self is GoalIs.AT_MOST else value >= goal
+
+    @property
+    def symbol(self) -> str:
+        return "<=" if self is GoalIs.AT_MOST else ">="
+
+
 @dataclass(frozen=True)
 class BenchResult:
     name: str
     value: float
-    goal: float | None  # the value is meant to stay at or below it; None: reported without a goal
+    goal: float | None  # None: reported without a goal
     unit: str
+    goal_is: GoalIs | None = GoalIs.AT_MOST  # ignored (written as null) without a goal
+
+    def __post_init__(self) -> None:
+        if self.goal is None:
+            object.__setattr__(self, "goal_is", None)
+
+    def met(self) -> bool | None:
+        return None if self.goal is None or self.goal_is is None else self.goal_is.met(self.value, self.goal)
 
     def line(self) -> str:
         value = f"{int(self.value):,}" if float(self.value).is_integer() else f"{self.value:.4g}"
-        verdict = "" if self.goal is None else (
-            f"  (goal <= {self.goal:g}: {'met' if self.value <= self.goal else 'NOT met'})"
+        met = self.met()
+        verdict = "" if met is None else (
+            f"  (goal {self.goal_is.symbol} {self.goal:g}: {'met' if met else 'NOT met'})"  # type: ignore[union-attr]
         )
         return f"{self.name} = {value} {self.unit}{verdict}"
 
