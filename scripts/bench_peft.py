@@ -12,8 +12,8 @@ base a full fine-tuning run and a LoRA run (peft.r, the policy's default targets
 3. Parameter bytes per rank of the LoRA FSDP-2 run / the whole model's: each rank holds its shard of the frozen
    base. Goal <= 0.55 (limit 0.5 plus the adapters).
 
-Printed with the goal beside each figure, and written to outputs/bench/bench_peft.json as a list of
-{name, value, goal, unit}.
+Printed with the goal beside each figure (lerobot_mg/benchmarking.py) and written to outputs/bench/bench_peft.json as a
+list of {name, value, goal, unit, goal_is}.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from lerobot_mg.benchmarking import BenchResult, report
 
 REPO = Path(__file__).resolve().parents[1]
 DATASET = REPO / "tests" / "fixtures" / "pusht_image_slice"  # a real LeRobot v3.0 dataset shipped with the repo
@@ -61,7 +63,6 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--dir", type=Path, default=None,
                         help="keep the runs under this directory (default: a temporary directory, removed)")
-    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "bench_peft.json")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_peft_", dir=args.dir))
@@ -78,24 +79,17 @@ def main() -> None:
     lora_held = max(held["total"] for held in _rank_bytes(root / "lora"))
     lora_params = max(held["parameters"] for held in _rank_bytes(root / "lora"))
     whole_params = sum(held["parameters"] for held in _rank_bytes(root / "full"))  # the shards add up to the model
-    measured = [  # (name, value, goal, what was divided)
-        ("adapter checkpoint / full checkpoint", adapter_bytes / full_bytes, 0.10,
-         f"{adapter_bytes / 2**20:.3f} MiB / {full_bytes / 2**20:.2f} MiB"),
-        ("training state per rank: LoRA FSDP-2 / full FSDP-2", lora_held / full_held, 0.35,
-         f"{lora_held / 2**20:.2f} MiB / {full_held / 2**20:.2f} MiB, max over ranks"),
-        ("parameters per rank: LoRA FSDP-2 / whole model", lora_params / whole_params, 0.55,
-         f"{lora_params / 2**20:.2f} MiB / {whole_params / 2**20:.2f} MiB"),
-    ]
     print(f"ACT dim_model {args.dim_model}, LoRA r={args.r} on the policy's default targets; runs in {root}")
-    for name, value, goal, division in measured:
-        verdict = "ok" if value <= goal else "over the goal"
-        print(f"{name:<52}{value:8.3f}   goal <= {goal:.2f}  {verdict}  ({division})")
-    results = [{"name": name, "value": value, "goal": goal, "unit": "ratio"} for name, value, goal, _ in measured]
+    print(f"adapter checkpoint {adapter_bytes / 2**20:.3f} MiB, full checkpoint {full_bytes / 2**20:.2f} MiB; "
+          f"training state per rank (max over ranks) LoRA {lora_held / 2**20:.2f} MiB, full {full_held / 2**20:.2f} "
+          f"MiB; parameters per rank LoRA {lora_params / 2**20:.2f} MiB, whole model {whole_params / 2**20:.2f} MiB")
+    report("bench_peft", [
+        BenchResult("adapter_checkpoint_over_full_checkpoint", adapter_bytes / full_bytes, 0.10, "ratio"),
+        BenchResult("lora_fsdp2_training_state_per_rank_over_full_fsdp2", lora_held / full_held, 0.35, "ratio"),
+        BenchResult("lora_fsdp2_parameters_per_rank_over_whole_model", lora_params / whole_params, 0.55, "ratio"),
+    ])
     if args.dir is None:
         shutil.rmtree(root)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
