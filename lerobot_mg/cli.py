@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lerobot_mg.errors import ConfigError
+
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
@@ -27,7 +29,8 @@ def run(args_type: type[T], body: Callable[[T], int | None], prog: str, doc: str
         argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the command line) into ``args_type``, call ``body``; returns the exit status.
 
-    A ValueError (a user error: a bad argument, a missing file) prints ``<prog>: error: ...`` and gives 2.
+    A ``ConfigError`` (a user error: a bad argument, a missing file) prints ``<prog>: error: ...`` and gives 2;
+    any other exception keeps its traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in argv):
@@ -35,7 +38,7 @@ def run(args_type: type[T], body: Callable[[T], int | None], prog: str, doc: str
         return 0
     try:
         return body(parse(args_type, argv)) or 0
-    except ValueError as error:
+    except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
 
@@ -53,7 +56,7 @@ def parse(args_type: type[T], argv: Sequence[str]) -> T:
             key, equals, value = arg.removeprefix("--").partition("=")
             key = key.replace("-", "_")
             if key not in fields:
-                raise ValueError(f"{arg}: unknown argument; the arguments are {', '.join(fields)}.")
+                raise ConfigError(f"{arg}: unknown argument; the arguments are {', '.join(fields)}.")
             values = [value] if equals else []
             while not equals and position < len(argv) and _takes(hints[key], values, argv[position]):
                 values.append(argv[position])
@@ -62,10 +65,10 @@ def parse(args_type: type[T], argv: Sequence[str]) -> T:
         elif positional is not None:
             raw.setdefault(positional, []).append(arg)
         else:
-            raise ValueError(f"argument {arg!r} is not key=value. Fix: {next(iter(fields))}=<value>")
+            raise ConfigError(f"argument {arg!r} is not key=value. Fix: {next(iter(fields))}=<value>")
     missing = [name for name, f in fields.items() if name not in raw and _required(f)]
     if missing:
-        raise ValueError(f"{missing[0]} is required. Fix: {missing[0]}=<{_kind(hints[missing[0]])}>")
+        raise ConfigError(f"{missing[0]} is required. Fix: {missing[0]}=<{_kind(hints[missing[0]])}>")
     return args_type(**{key: _convert(key, hints[key], values, fields[key]) for key, values in raw.items()})
 
 
@@ -126,12 +129,12 @@ def _convert(key: str, hint: Any, values: list[str], f: dataclasses.Field) -> An
     (value,) = values
     choices = f.metadata.get("choices")
     if choices and value not in choices:
-        raise ValueError(f"{key}={value}: expected one of {', '.join(choices)}. Fix: {key}={choices[0]}")
+        raise ConfigError(f"{key}={value}: expected one of {', '.join(choices)}. Fix: {key}={choices[0]}")
     if hint is bool:
         if value.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"{key}={value}: expected true or false. Fix: {key}=true")
+            raise ConfigError(f"{key}={value}: expected true or false. Fix: {key}=true")
         return value.lower() in _TRUE
     try:
         return hint(value)
     except ValueError:
-        raise ValueError(f"{key}={value}: expected {_kind(hint)}. Fix: {key}=<{_kind(hint)}>") from None
+        raise ConfigError(f"{key}={value}: expected {_kind(hint)}. Fix: {key}=<{_kind(hint)}>") from None

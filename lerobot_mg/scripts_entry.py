@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lerobot_mg.errors import ConfigError
+
 logger = logging.getLogger("lerobot_mg.train")
 
 
@@ -25,19 +27,26 @@ def train() -> None:
     from lerobot_mg.config.loading import (
         CONF_DIR,
         apply_policy_path,
+        check_presets,
         merge_resume_config,
         normalize_argv,
-        to_train_config,
+        override_keys,
+        run_config,
     )
+    from lerobot_mg.config.validate import report_user_error
 
     sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
+    try:  # before Hydra composes: it would list the presets over several lines and exit 1
+        check_presets(sys.argv[1:])
+    except ConfigError as error:
+        report_user_error(error)
+        raise SystemExit(2) from None
     register_configs()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _main(composed: DictConfig) -> dict:
         from hydra.types import RunMode
 
-        from lerobot_mg.config.validate import report_user_error
         from lerobot_mg.launch.sweep import prepare_sweep_job
         from lerobot_mg.train import train as run_training
 
@@ -50,16 +59,16 @@ def train() -> None:
                 composed = merge_resume_config(composed, overrides)
             elif composed.policy.path is not None:  # a sweep job resuming itself recomposes like its first attempt
                 composed = apply_policy_path(composed, overrides)
-            return run_training(to_train_config(composed), composed, sweep_job)
+            return run_training(run_config(composed, frozenset(override_keys(overrides))), composed, sweep_job)
         except Exception as error:
             if hydra_cfg.mode == RunMode.MULTIRUN:
                 # Hydra records the failed point and goes on with the next one; the sweep exits non-zero at the end.
                 logger.error("sweep job #%s (%s) failed: %s", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task),
-                             error, exc_info=not isinstance(error, ValueError))
+                             error, exc_info=not isinstance(error, ConfigError))
                 raise
             # User errors (bad config, unusable checkpoint, refused environment) are found before training
             # starts; their message says what to change, a traceback would only bury it.
-            if not isinstance(error, ValueError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            if not isinstance(error, ConfigError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             if os.environ.get("RANK", "0") == "0":
                 report_user_error(error)
@@ -102,7 +111,7 @@ def _compare(args: CompareArgs) -> int:
     records = [read_ledger(run_dir) for run_dir in args.run_dirs]
     comparison = compare.compare_runs(records)
     if args.window is not None and not args.check_resume:
-        raise ValueError("window only applies with check_resume=true; add check_resume=true or drop window.")
+        raise ConfigError("window only applies with check_resume=true; add check_resume=true or drop window.")
     check = compare.check_resume(*compare.pick_resumed_run(records), window=args.window) if args.check_resume else None
     default_name = re.sub(r"[^\w.-]+", "_", "__vs__".join(compare.run_labels(records)))[:150]
     out_dir = args.out or Path("outputs/compare") / default_name

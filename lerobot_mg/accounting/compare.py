@@ -13,6 +13,7 @@ from typing import Any
 
 from lerobot_mg.accounting.ledger import RunRecord, StartRecord, UpdateDigest
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import FactChange, Progress, describe
 
 HELD_FIXED_QUANTITIES = ("data exposure", "update count", "effective batch", "compute budget")
@@ -139,7 +140,7 @@ def _same(values: Sequence[Any]) -> bool:
 def compare_runs(records: Sequence[RunRecord]) -> Comparison:
     """Compare runs on their arithmetic; ``records`` come from ``read_ledger``, at least two."""
     if len(records) < 2:
-        raise ValueError(f"comparing runs needs at least two run directories, got {len(records)}.")
+        raise ConfigError(f"comparing runs needs at least two run directories, got {len(records)}.")
     labels = run_labels(records)
     step = min(_total(record).step for record in records)
     runs = tuple(summarize_run(r, label, step) for r, label in zip(records, labels))
@@ -231,11 +232,11 @@ class ResumeCheck:
 def pick_resumed_run(records: Sequence[RunRecord]) -> tuple[RunRecord, RunRecord]:
     """(resumed, reference) for ``check_resume``: the first run with a resume is the resumed one."""
     if len(records) != 2:
-        raise ValueError(f"check_resume compares exactly two runs (a resumed run and a reference), got {len(records)}.")
+        raise ConfigError(f"check_resume compares exactly two runs (a resumed run and a reference), got {len(records)}.")
     for position, record in enumerate(records):
         if any(segment.start.kind == "resume" for segment in record.effective_segments):
             return record, records[1 - position]
-    raise ValueError(f"check_resume needs a resumed run, but neither {records[0].run_dir} nor {records[1].run_dir} "
+    raise ConfigError(f"check_resume needs a resumed run, but neither {records[0].run_dir} nor {records[1].run_dir} "
                      "has a resume record in its ledger.")
 
 
@@ -243,7 +244,7 @@ def check_resume(resumed: RunRecord, reference: RunRecord, window: int | None = 
     """Compare the digests of what the loaders of ``resumed`` and ``reference`` delivered, update by update, around
     each resume. ``window`` limits it to that many updates on either side of a resume; None compares all."""
     if window is not None and window < 1:
-        raise ValueError(f"window={window}: must be a positive number of optimizer updates. Fix: window=2")
+        raise ConfigError(f"window={window}: must be a positive number of optimizer updates. Fix: window=2")
     theirs = {update.optimizer_update: update for update in reference.updates}
     boundaries = []
     for conditions in start_conditions(resumed):

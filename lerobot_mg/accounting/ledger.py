@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import Progress, RunFacts, from_dict
 
 LEDGER_FILENAME = "ledger.jsonl"
@@ -146,7 +147,7 @@ def read_ledger(run_dir: Path) -> RunRecord:
     or right before a start/resume record. Anywhere else the ledger is corrupt and this raises."""
     path = Path(run_dir) / LEDGER_FILENAME
     if not path.is_file():
-        raise ValueError(f"{run_dir} has no {LEDGER_FILENAME}: pass a run directory written by lerobot_mg training "
+        raise ConfigError(f"{run_dir} has no {LEDGER_FILENAME}: pass a run directory written by lerobot_mg training "
                          "(the directory that holds checkpoints/ and train_config.json).")
     lines = [(number, _parse(line)) for number, line in enumerate(path.read_text("utf-8").splitlines(), 1)
              if line.strip()]
@@ -159,15 +160,15 @@ def read_ledger(run_dir: Path) -> RunRecord:
             elif kind == "interval" and attempts:
                 attempts[-1][1].append(from_dict(IntervalRecord, record))
             elif record is not None:
-                raise ValueError(f"{path}:{number}: expected a start, resume or interval record after a start "
+                raise ConfigError(f"{path}:{number}: expected a start, resume or interval record after a start "
                                  f"record, got kind {kind!r}.")
             elif position + 1 < len(lines) and (lines[position + 1][1] or {}).get("kind") not in ("start", "resume"):
-                raise ValueError(f"{path}:{number}: unreadable line in the middle of a run segment; only a crash's "
+                raise ConfigError(f"{path}:{number}: unreadable line in the middle of a run segment; only a crash's "
                                  "last line may be partial. The ledger is corrupt: restore it or compare another run.")
         except (KeyError, TypeError) as error:
-            raise ValueError(f"{path}:{number}: malformed {kind!r} record ({error!r}).") from error
+            raise ConfigError(f"{path}:{number}: malformed {kind!r} record ({error!r}).") from error
     if not attempts:
-        raise ValueError(f"{path} holds no start record: the run never started training.")
+        raise ConfigError(f"{path} holds no start record: the run never started training.")
     return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals)) for start, intervals in attempts))
 
 

@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
-from lerobot_mg.config.validate import check_resume_request
+from lerobot_mg.config.validate import check_resume_request, config_error
+from lerobot_mg.errors import ConfigError
+from lerobot_mg.optim import fit_warmup
 from lerobot_mg.policies.registry import get_policy_class
 
 CONF_DIR = REPO_ROOT / "conf"
@@ -27,6 +29,20 @@ _ALIASES = {"checkpoint_format": "checkpoint.format", "save_freq": "checkpoint.s
 
 # The RunFacts block of train_config.json (for readers); not part of the schema.
 DERIVED_KEY = "run_facts"
+
+
+def check_presets(overrides: list[str]) -> None:
+    """A ``group=option`` override names a preset in conf/<group>/ (Hydra would list them over several lines and
+    exit 1; a typo is a user error like any other). A multirun's ``group=a,b`` checks every option."""
+    for override in overrides:
+        key, equals, value = override.lstrip("+~").partition("=")
+        group_dir = CONF_DIR / key
+        if not equals or not _DOTTED_KEY.match(key) or not group_dir.is_dir() or value in ("null", ""):
+            continue
+        existing = sorted(path.stem for path in group_dir.glob("*.yaml"))
+        for option in value.split(","):
+            if option not in existing:
+                raise config_error(key, option, f"is not a preset in conf/{key}/", f"{key}=<one of {', '.join(existing)}>")
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -61,6 +77,16 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
+def run_config(composed: DictConfig, typed_keys: frozenset[str]) -> TrainConfig:
+    """The typed config a launch runs. ``typed_keys``: the dotted keys this command line set (``override_keys``);
+    a default the user did not type never stops a run, so a preset's warm-up is fitted to ``steps`` (a resumed run
+    keeps the schedule its train_config.json saved)."""
+    cfg = to_train_config(composed)
+    typed = cfg.resume or "scheduler.num_warmup_steps" in typed_keys
+    cfg.scheduler = fit_warmup(cfg.scheduler, cfg.steps, typed)
+    return cfg
+
+
 def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
@@ -70,7 +96,7 @@ def load_train_config_json(path: Path) -> DictConfig:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"config_path={str(path)!r} is not valid JSON ({error}); was the save interrupted?") from error
+        raise ConfigError(f"config_path={str(path)!r} is not valid JSON ({error}); was the save interrupted?") from error
     data.pop(DERIVED_KEY, None)
     return OmegaConf.create(data)
 
@@ -97,13 +123,21 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     try:
         merged = OmegaConf.merge(schema_for(saved), saved)
     except OmegaConfBaseException as error:
-        raise ValueError(
+        raise ConfigError(
             f"config_path={composed.config_path!r} does not match this version's config schema ({error}). Fix: "
             "resume with the lerobot_mg version that wrote it, or start a new run"
         ) from error
+    saved_type = merged.policy.type
+    if composed.policy.type != saved_type and {"policy", "policy.type"} & set(override_keys(overrides)):
+        raise config_error(
+            "policy", composed.policy.type,
+            f"config_path holds a {saved_type!r} policy; a resume continues the same policy",
+            f"remove the policy override, or fine-tune a new run from it: resume=false "
+            f"policy.path=<the checkpoint's pretrained_model> policy={saved_type}",
+        )
     for key in override_keys(overrides):
         if key == "experiment":
-            raise ValueError(
+            raise ConfigError(
                 "experiment=...: an experiment preset cannot be applied on resume (the saved train_config.json "
                 "already fixes the run). Fix: override the individual keys instead."
             )

@@ -5,18 +5,16 @@ Each failure is a ``ConfigError`` (lerobot_mg/errors.py) naming the dotted key, 
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.distributed.wrap import compile_unavailable_reason
+from lerobot_mg.data.lerobot_dataset import episode_lengths, read_info
+from lerobot_mg.distributed.wrap import check_wrap_classes, compile_unavailable_reason
 from lerobot_mg.errors import ConfigError
-
-logger = logging.getLogger(__name__)
+from lerobot_mg.policies.base import features_from_dataset
 
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 CHECKPOINT_FORMATS = ("safetensors", "dcp", "safetensors_dcp")
@@ -30,7 +28,7 @@ def config_error(key: str, value: object, problem: str, fix: str) -> ConfigError
     return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
 
 
-def report_user_error(error: ValueError) -> None:
+def report_user_error(error: ConfigError) -> None:
     """The one line a user error prints (the command then exits with status 2)."""
     print(f"lerobot-mg-train: error: {error}", file=sys.stderr, flush=True)
 
@@ -79,7 +77,7 @@ def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tup
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ``ValueError`` for the first user error in ``cfg`` for a launch of ``world_size`` processes."""
+    """Raise ``ConfigError`` for the first user error in ``cfg`` for a launch of ``world_size`` processes."""
     for key in ("steps", "batch_size", "log_freq"):
         value = getattr(cfg, key)
         if value < 1:
@@ -95,6 +93,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _validate_resume_and_output(cfg)
     cfg.policy.validate()
     _validate_finetune(cfg, sharded)
+    _validate_dataset(cfg, dp_replicate * dp_shard)
 
 
 def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
@@ -176,18 +175,25 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
                 "float16 needs the loss scaler, which only accelerator.mixed_precision=fp16 builds",
                 "accelerator.mixed_precision=fp16",
             )
-    if policy.is_set() and policy.param_dtype is None and os.environ.get("RANK", "0") == "0":
-        logger.warning(
-            "accelerator.fsdp.mixed_precision_policy is set without param_dtype: the policy is built from "
-            "its fields alone, so parameters are not cast for compute (float32 compute)."
+    # The policy is built from its fields alone (the guide: "so set param_dtype too"): without param_dtype the
+    # parameters are never cast and compute stays float32, which a reduce/output dtype alone does not say.
+    unpaired = next((name for name in ("reduce_dtype", "output_dtype") if getattr(policy, name) is not None), None)
+    if unpaired is not None and policy.param_dtype is None:
+        raise config_error(
+            f"accelerator.fsdp.mixed_precision_policy.{unpaired}", getattr(policy, unpaired),
+            "is set without param_dtype: the policy is built from its fields alone, so parameters would not be cast "
+            "for compute (float32 compute)",
+            "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16 (or the dtype to compute in)",
         )
 
 
 def _validate_checkpoint(cfg: TrainConfig, sharded: bool) -> None:
     ckpt = cfg.checkpoint
     if ckpt.format not in CHECKPOINT_FORMATS:
+        fix = ckpt.format.lower() if ckpt.format.lower() in CHECKPOINT_FORMATS else "safetensors"
         raise config_error(
-            "checkpoint.format", ckpt.format, f"must be one of {CHECKPOINT_FORMATS}", "checkpoint.format=safetensors"
+            "checkpoint.format", ckpt.format, f"must be one of {CHECKPOINT_FORMATS} (lower case)",
+            f"checkpoint.format={fix}",
         )
     if ckpt.format != "safetensors" and not sharded:
         raise config_error(
@@ -223,14 +229,6 @@ def _validate_checkpoint(cfg: TrainConfig, sharded: bool) -> None:
 def _validate_data_and_optim(cfg: TrainConfig) -> None:
     if cfg.dataset.name not in DATASET_NAMES:
         raise config_error("dataset.name", cfg.dataset.name, f"must be one of {DATASET_NAMES}", "dataset=lerobot")
-    root = Path(cfg.dataset.root)
-    if not (root / "meta" / "info.json").is_file():
-        fix = (
-            "generate it first: lerobot-mg-make-dataset (or make train does it)"
-            if cfg.dataset.name == "embedded"
-            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>"
-        )
-        raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json)", fix)
     if cfg.optimizer.type != "adamw":
         raise config_error("optimizer.type", cfg.optimizer.type, "only adamw is available", "optimizer=adamw")
     betas = cfg.optimizer.betas
@@ -276,6 +274,62 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
 
 
+def _validate_dataset(cfg: TrainConfig, dp_world_size: int) -> None:
+    """The dataset's metadata (meta/info.json, the episodes table) against the policy and the batch, before any
+    process group exists: the version, the features the policy reads, episode lengths and the number of samples."""
+    root = Path(cfg.dataset.root)
+    if not (root / "meta" / "info.json").is_file():
+        fix = (
+            "generate it first: lerobot-mg-make-dataset (or make train does it)"
+            if cfg.dataset.name == "embedded"
+            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>"
+        )
+        raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json)", fix)
+    info = read_info(root)
+    features_from_dataset(info["features"], cfg.policy.observation_keys)  # policy.observation_keys it lacks
+    lengths = episode_lengths(root)
+    if cfg.dataset.episodes is not None:
+        unknown = sorted(set(cfg.dataset.episodes) - set(lengths))
+        if unknown:
+            raise config_error(
+                "dataset.episodes", list(cfg.dataset.episodes),
+                f"dataset.root has no episode {unknown} (it has {len(lengths)}: {min(lengths)}..{max(lengths)})",
+                f"dataset.episodes=<indices in {min(lengths)}..{max(lengths)}>, or dataset.episodes=null for all",
+            )
+        lengths = {index: lengths[index] for index in cfg.dataset.episodes}
+    chunk = len(cfg.policy.action_delta_indices)
+    shortest = min(lengths.values())
+    if chunk > shortest:
+        key = f"policy.{cfg.policy.action_length_key}"
+        raise config_error(
+            key, getattr(cfg.policy, cfg.policy.action_length_key),
+            f"each sample loads {chunk} action frames, more than the shortest episode of dataset.root has "
+            f"({shortest} frames, episode {min(lengths, key=lengths.__getitem__)}): most of its chunks would be padding",
+            f"{key}=<at most {shortest}>, or dataset.episodes=<longer episodes>",
+        )
+    num_samples = sum(lengths.values())
+    if dp_world_size > num_samples:
+        raise config_error(
+            "dataset.root", str(root),
+            f"has {num_samples} samples, fewer than the {dp_world_size} data-parallel ranks launched: some ranks "
+            "would get no sample at all",
+            f"launch at most {num_samples} processes, or a larger dataset",
+        )
+    if cfg.batch_size * dp_world_size > num_samples:
+        raise config_error(
+            "batch_size", cfg.batch_size,
+            f"one global batch (batch_size x {dp_world_size} data-parallel ranks = {cfg.batch_size * dp_world_size} "
+            f"samples) is larger than the {num_samples} samples of dataset.root",
+            f"batch_size={num_samples // dp_world_size}, or fewer processes",
+        )
+    wrap_modules = cfg.accelerator.fsdp.wrap_modules
+    if wrap_modules and cfg.policy.path is None and not cfg.peft.enabled:
+        from lerobot_mg.policies.registry import make_policy
+
+        with torch.device("meta"):  # the module classes only: no memory, no draw from the random generator
+            check_wrap_classes(make_policy(cfg.policy, info["features"]), wrap_modules)
+
+
 def _validate_finetune(cfg: TrainConfig, sharded: bool) -> None:
     """``policy.path`` and ``peft.*``: the base on disk and the module names it has."""
     if cfg.policy.path is None and not cfg.peft.enabled:
@@ -307,7 +361,9 @@ def check_resume_request(resume: bool, config_path: str | None) -> None:
             )
         if not Path(config_path).is_file():
             raise config_error(
-                "config_path", config_path, "does not exist",
+                "config_path", config_path,
+                "is a directory, not the train_config.json file in it" if Path(config_path).is_dir()
+                else "does not exist",
                 "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
             )
     elif config_path is not None:

@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from lerobot_mg.data.video import VideoFrameReader
+from lerobot_mg.errors import ConfigError
 
 CODEBASE_VERSION = "v3.0"
 INFO_PATH = "meta/info.json"
@@ -50,6 +51,28 @@ DEFAULT_FEATURES: dict[str, dict] = {
     "index": {"dtype": "int64", "shape": [1], "names": None},
     "task_index": {"dtype": "int64", "shape": [1], "names": None},
 }
+
+
+def read_info(root: Path) -> dict:
+    """meta/info.json of a LeRobot v3.x dataset; a ConfigError names the version of an older one."""
+    info = json.loads((Path(root) / INFO_PATH).read_text())
+    version = str(info.get("codebase_version"))
+    if not version.startswith("v3."):
+        raise ConfigError(
+            f"dataset.root={str(root)!r}: is a LeRobot {version} dataset (meta/info.json codebase_version); this "
+            "reader reads v3.0 only. Fix: convert it with LeRobot's v2.1 -> v3.0 conversion script "
+            "(python -m lerobot.datasets.v30.convert_dataset_v21_to_v30), or dataset.root=<a v3.0 dataset>"
+        )
+    return info
+
+
+def episode_lengths(root: Path) -> dict[int, int]:
+    """Frames per episode, from the episodes table alone (no frame is read)."""
+    lengths: dict[int, int] = {}
+    for path in sorted((Path(root) / EPISODES_DIR).glob("chunk-*/file-*.parquet")):
+        table = pq.read_table(path, columns=["episode_index", "length"])
+        lengths.update(zip(table.column("episode_index").to_pylist(), table.column("length").to_pylist()))
+    return lengths
 
 
 def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
@@ -95,13 +118,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 f"{info_path} does not exist: {self.root} is not a LeRobot dataset (or its writer did not "
                 "finish). Point the dataset root at a folder with meta/info.json."
             )
-        self.info: dict = json.loads(info_path.read_text())
-        version = str(self.info.get("codebase_version"))
-        if not version.startswith("v3."):
-            raise ValueError(
-                f"{self.root} has codebase_version={version!r}; this reader reads LeRobot v3.x datasets only. "
-                "Convert older datasets with LeRobot's v2.1 -> v3.0 conversion script."
-            )
+        self.info: dict = read_info(self.root)
         self.fps = int(self.info["fps"])
         self.features: dict[str, dict] = self.info["features"]
         self.tolerance_s = tolerance_s

@@ -27,6 +27,7 @@ from torch import nn
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, compile_forward, find_split_ties, plan_units
+from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def _shard(accelerator: Accelerator, model: nn.Module, units: list[tuple[str, nn
 
     ties = find_split_ties(model, units)
     if ties:
-        raise ValueError(
+        raise ConfigError(
             "FSDP cannot split tied weights across wrap units, and these parameters would be split: "
             + "; ".join(ties)
             + f" (units chosen by {rule}). Fix: wrap the repeated block class (accelerator.fsdp.wrap_modules) so "

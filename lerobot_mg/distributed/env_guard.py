@@ -12,6 +12,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from lerobot_mg.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 ALLOW_ENV_VAR = "LEROBOT_ALLOW_ACCELERATE_ENV"
@@ -46,7 +48,7 @@ def find_accelerate_overrides(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_accelerate_env(environ: Mapping[str, str] | None = None) -> None:
-    """Raise ``ValueError`` listing accelerate config variables, unless acknowledged.
+    """Raise ``ConfigError`` listing accelerate config variables, unless acknowledged.
 
     Runs once, before the Accelerator exists (the Accelerator itself writes ``ACCELERATE_USE_FSDP``).
     """
@@ -61,12 +63,12 @@ def check_accelerate_env(environ: Mapping[str, str] | None = None) -> None:
             "describe the settings this run actually uses:\n%s", ALLOW_ENV_VAR, listing,
         )
         return
-    raise ValueError(
-        "Accelerate environment variables are set, so accelerate would be configured behind lerobot_mg's config "
-        "(an accelerate config file, `accelerate config`, or exported variables):\n"
-        f"{listing}\n"
-        "lerobot_mg uses accelerate as a plain launcher only. Either put these settings in parallelism.* / "
-        "accelerator.* overrides (e.g. parallelism.dp_shard=-1 accelerator.mixed_precision=bf16) and launch "
-        "with `accelerate launch --num_processes=N` without a config file (or torchrun), or set "
-        f"{ALLOW_ENV_VAR}=1 to acknowledge the override and proceed anyway."
+    # One line, like every user error: the variables with their values, where they come from, the remedies.
+    raise ConfigError(
+        f"{' '.join(f'{name}={value}' for name, value in offending.items())}: accelerate configuration in the "
+        "environment (an exported variable, `accelerate launch --config_file`, or accelerate's default config "
+        "$HF_HOME/accelerate/default_config.yaml) would configure accelerate behind lerobot_mg's config. Fix: put "
+        "these settings in parallelism.* / accelerator.* overrides (e.g. parallelism.dp_shard=-1 "
+        "accelerator.mixed_precision=bf16) and launch with `accelerate launch --num_processes=N` without a config "
+        f"file (or torchrun), or set {ALLOW_ENV_VAR}=1 to acknowledge the override and proceed anyway"
     )

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lerobot_mg.errors import ConfigError
+
 if TYPE_CHECKING:  # config.validate imports this module
     from lerobot_mg.config.schema import AcceleratorConfig
 
@@ -77,7 +79,7 @@ def plan_units(model: nn.Module, acc_cfg: AcceleratorConfig, sharded: bool) -> U
             )
     compiled = (outermost(units) or top_level_modules(model)) if acc_cfg.compile else []
     if acc_cfg.compile and not compiled:
-        raise ValueError(
+        raise ConfigError(
             f"accelerator.compile=True: {type(policy_of(model)).__name__} has no wrap unit and no submodule with parameters, so "
             "nothing would be compiled. Fix: accelerator.fsdp.wrap_modules='[\"MyBlock\"]', or accelerator.compile=false"
         )
@@ -105,25 +107,30 @@ def select_wrap_units(
         raise no_rule_error(model, "a sharded run would wrap only the root module and save no memory")
 
     if class_names is not None:
-        present = {type(m).__name__ for m in model.modules()}
-        missing = [name for name in class_names if name not in present]
-        if missing:
-            raise ValueError(
-                f"accelerator.fsdp.wrap_modules={class_names}: no module of class {missing} in "
-                f"{type(model).__name__}. Fix: use class names that exist, e.g. one of "
-                f"{sorted(present - {type(model).__name__})[:12]}"
-            )
+        check_wrap_classes(model, class_names)
         chosen = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names]
     else:
         chosen = _size_based_units(model, min_num_params)  # type: ignore[arg-type]
     if not chosen:
-        raise ValueError(
+        raise ConfigError(
             f"{rule} selects no submodule: only the root would be wrapped, which saves no memory. Fix: "
             "a smaller accelerator.fsdp.min_num_params or accelerator.fsdp.wrap_modules='[\"...\"]'"
         )
     # Bottom-up so inner units are sharded before the units that contain them.
     chosen.sort(key=lambda item: item[0].count("."), reverse=True)
     return chosen, rule
+
+
+def check_wrap_classes(model: nn.Module, class_names: list[str]) -> None:
+    """Every class ``accelerator.fsdp.wrap_modules`` names exists in ``model``; the error lists the classes it has."""
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in class_names if name not in present]
+    if missing:
+        raise ConfigError(
+            f"accelerator.fsdp.wrap_modules={list(class_names)}: no module of class {missing} in "
+            f"{type(model).__name__}, whose classes are {sorted(present - {type(model).__name__})}. Fix: "
+            "accelerator.fsdp.wrap_modules=[<some of those classes>]"
+        )
 
 
 def policy_of(model: nn.Module) -> nn.Module:
@@ -140,14 +147,14 @@ def has_wrap_rule(model: nn.Module, wrap_modules: list[str] | None, min_num_para
     return bool(wrap_modules) or min_num_params is not None or bool(_declared(model))
 
 
-def no_rule_error(model: nn.Module, consequence: str, declarations: str = "_fsdp_wrap_modules") -> ValueError:
+def no_rule_error(model: nn.Module, consequence: str, declarations: str = "_fsdp_wrap_modules") -> ConfigError:
     """The error for a model without declared units and neither override, with size thresholds to pick from:
     "<Model> declares no <declarations>, so <consequence>"."""
     suggestions = ", ".join(
         f"accelerator.fsdp.min_num_params={threshold} gives {num_units} units" for threshold, num_units in
         size_rule_options(model)
     )
-    return ValueError(
+    return ConfigError(
         f"accelerator.fsdp.wrap_modules=None and accelerator.fsdp.min_num_params=None: {type(policy_of(model)).__name__} "
         f"declares no {declarations}, so {consequence}. Fix: {suggestions or 'accelerator.fsdp.min_num_params=<N>'}"
         f" (of {sum(p.numel() for p in model.parameters()):,} parameters), or "

@@ -20,6 +20,8 @@ import subprocess
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from lerobot_mg.errors import ConfigError
+
 # Ports below Linux's ephemeral range (32768+), so an outgoing connection never holds a job's port.
 MASTER_PORT_BASE = 20_000
 MASTER_PORT_SPAN = 12_000
@@ -102,7 +104,7 @@ def export_torch_distributed_env(environ: MutableMapping[str, str] = os.environ)
     if task.gpus_on_node == 0:
         environ["CUDA_VISIBLE_DEVICES"] = ""  # no GPU allocated on this node: use none, whatever the node has
     elif task.local_world_size > task.gpus_on_node:
-        raise ValueError(
+        raise ConfigError(
             f"{task.local_world_size} tasks share the {task.gpus_on_node} GPU(s) SLURM allocated on this node; one "
             "task per GPU. Fix: hydra.launcher.tasks_per_node=<GPUs per node> (or srun --ntasks-per-node=<GPUs>)"
         )

@@ -34,8 +34,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
-from lerobot_mg.config.loading import apply_policy_path, to_train_config
+from lerobot_mg.config.loading import apply_policy_path, override_keys, run_config
 from lerobot_mg.config.validate import check_slurm_job, check_sweep_point, report_user_error, validate
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.launch.slurm_env import export_torch_distributed_env
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,12 @@ class SlurmSweepLauncher(SlurmLauncher):
                 check_sweep_point(point.output_dir, point.resume)
                 if point.policy.path is not None:  # as the job itself will compose it (scripts_entry)
                     point = apply_policy_path(point, list(overrides))
-                cfg = to_train_config(point)
+                cfg = run_config(point, frozenset(override_keys(list(overrides))))
                 world_size = check_slurm_job(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, params["nodes"],
                                              params["tasks_per_node"], params["gpus_per_node"])
                 validate(cfg, world_size)
-            except ValueError as error:
-                report_user_error(ValueError(f"sweep job #{idx} ({' '.join(overrides)}): {error}"))
+            except ConfigError as error:
+                report_user_error(ConfigError(f"sweep job #{idx} ({' '.join(overrides)}): {error}"))
                 raise SystemExit(2) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.validate import config_error
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, PreTrainedPolicy, features_from_dataset
 from lerobot_mg.policies.registry import get_policy_class, load_policy
 
@@ -91,7 +92,7 @@ def check_dataset_matches(path: str, dataset_features: dict[str, dict[str, Any]]
     for name, (want, have) in {**{k: (inputs[k], dataset_inputs[k]) for k in inputs},
                                "action": (outputs["action"], dataset_outputs["action"])}.items():
         if list(want["shape"]) != list(have["shape"]):
-            raise ValueError(
+            raise ConfigError(
                 f"policy.path={path}: the base reads {name} of shape {want['shape']}, the dataset has "
                 f"{have['shape']}. Fix: a dataset with the base's features, or another policy.path"
             )

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.schema import PeftConfig, TrainConfig
 from lerobot_mg.config.validate import config_error
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import base_features
 from lerobot_mg.policies.base import PreTrainedPolicy, safetensors_ready
 from lerobot_mg.policies.registry import get_policy_class
@@ -205,7 +206,7 @@ class AdapterWeights:
         """Adapter keys back to parameter FQNs; raises if ``source`` does not hold exactly this adapter."""
         name_of = {key: name for name, key in self.key_of.items()}
         if adapter_state.keys() != name_of.keys():
-            raise ValueError(
+            raise ConfigError(
                 f"{source} does not hold this run's adapter: missing {sorted(name_of.keys() - adapter_state.keys())[:5]},"
                 f" unexpected {sorted(adapter_state.keys() - name_of.keys())[:5]}. Fix: resume with the peft.* "
                 "settings the checkpoint was saved with"
@@ -233,7 +234,7 @@ def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapte
 
     base_path = Path(adapter_base_path(directory))
     if not base_path.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"{directory / L.ADAPTER_CONFIG_JSON} names the base model {base_path}, which does not exist. Fix: "
             "restore the base checkpoint there, or edit base_model_name_or_path to where it now lives"
         )

@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from lerobot_mg.errors import ConfigError
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Batch key of one int64 seed per sample (lerobot_mg.data.sampler.sample_seeds: a function of the run's seed, the
@@ -41,6 +43,7 @@ class FeatureSpec(TypedDict):
 class PolicyConfig(Protocol):
     """What the base class and the trainer need from a policy config dataclass."""
 
+    action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
     type: str
     path: str | None  # a pretrained_model/ directory to fine-tune, or None
     observation_keys: list[str] | None
@@ -62,7 +65,7 @@ class PolicyConfig(Protocol):
 def _visual_shape_chw(key: str, spec: dict[str, Any]) -> list[int]:
     shape = [int(size) for size in spec["shape"]]
     if len(shape) != 3:
-        raise ValueError(
+        raise ConfigError(
             f"Image feature {key!r} has shape {shape}; expected 3 dims (height, width, channel)."
         )
     names = spec.get("names")
@@ -86,18 +89,18 @@ def features_from_dataset(
     else:
         missing = [key for key in observation_keys if key not in dataset_features]
         if missing:
-            raise ValueError(
-                f"policy.observation_keys names {missing}, which the dataset does not have; "
-                f"available observation keys: {available}."
+            raise ConfigError(
+                f"policy.observation_keys={list(observation_keys)}: the dataset has no feature {missing}. Fix: "
+                f"policy.observation_keys=[{','.join(available)}] or a subset of it"
             )
         selected = list(observation_keys)
     if not selected:
-        raise ValueError(
+        raise ConfigError(
             f"The dataset has no observation features (keys: {sorted(dataset_features)}); a policy needs at "
             "least one `observation.*` input."
         )
     if "action" not in dataset_features:
-        raise ValueError(f"The dataset has no `action` feature (keys: {sorted(dataset_features)}).")
+        raise ConfigError(f"The dataset has no `action` feature (keys: {sorted(dataset_features)}).")
 
     input_features: dict[str, FeatureSpec] = {}
     for key in selected:
@@ -252,7 +255,7 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         directory = Path(directory)
         weights_path = directory / WEIGHTS_NAME
         if not weights_path.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"No {WEIGHTS_NAME} in {directory}. A checkpoint saved with checkpoint_format=dcp holds only "
                 "DCP shards (pytorch_model_fsdp_0/); merge them first with `lerobot-mg-convert-dcp "
                 f"--checkpoint_dir={directory}`."
@@ -264,11 +267,11 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         try:
             missing, unexpected = self.load_state_dict(state_dict, strict=False)
         except RuntimeError as error:  # shape mismatches
-            raise ValueError(
+            raise ConfigError(
                 f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: {error}"
             ) from error
         if missing or unexpected:
-            raise ValueError(
+            raise ConfigError(
                 f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: "
                 f"missing keys {missing}, unexpected keys {unexpected}."
             )
@@ -279,17 +282,17 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         directory = Path(directory)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
-            raise ValueError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
+            raise ConfigError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
         raw = json.loads(config_path.read_text())
         policy_type = raw.pop("type", None)
         if policy_type != cls.name:
-            raise ValueError(f"{config_path} holds a policy of type {policy_type!r}, not {cls.name!r}.")
+            raise ConfigError(f"{config_path} holds a policy of type {policy_type!r}, not {cls.name!r}.")
         input_features = raw.pop("input_features")
         output_features = raw.pop("output_features")
         known_fields = {field.name for field in fields(cls.config_class)}
         unknown = sorted(set(raw) - known_fields)
         if unknown:
-            raise ValueError(f"{config_path} has fields {unknown} that {cls.config_class.__name__} lacks.")
+            raise ConfigError(f"{config_path} has fields {unknown} that {cls.config_class.__name__} lacks.")
         config = cls.config_class(**raw, type=policy_type)
         config.validate()
         return config, input_features, output_features

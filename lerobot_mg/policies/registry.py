@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lerobot_mg.checkpoint.layout import ADAPTER_CONFIG_JSON
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.policies.base import CONFIG_NAME, PolicyConfig, PreTrainedPolicy, features_from_dataset
 from lerobot_mg.policies.diffusion.modeling_diffusion import DiffusionPolicy
@@ -19,7 +20,7 @@ POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy, "diffusion": Di
 
 def get_policy_class(name: str) -> type[PreTrainedPolicy]:
     if name not in POLICIES:
-        raise ValueError(f"policy.type={name!r} is not a known policy; choose one of {sorted(POLICIES)}.")
+        raise ConfigError(f"policy.type={name!r} is not a known policy; choose one of {sorted(POLICIES)}.")
     return POLICIES[name]
 
 
@@ -58,7 +59,7 @@ def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool 
     directory = Path(directory)
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
-        raise ValueError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
+        raise ConfigError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
     if (directory / ADAPTER_CONFIG_JSON).is_file():
         from lerobot_mg.peft.lora import load_adapter_policy
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.base import FeatureSpec
 from lerobot_mg.processors.pipeline import PolicyProcessorPipeline, ProcessorStep, register_step
 
@@ -54,7 +55,7 @@ class _NormalizationStep(ProcessorStep):
         self.stats: dict[str, dict[str, Tensor]] = {}
         for key, mode in self.modes.items():
             if mode not in STATS_PER_MODE:
-                raise ValueError(
+                raise ConfigError(
                     f"Normalisation mode {mode!r} for {key!r} is not one of {list(STATS_PER_MODE)}; fix "
                     f"policy.normalization_mapping.{self.features[key]['type']}."
                 )
@@ -65,7 +66,7 @@ class _NormalizationStep(ProcessorStep):
                 value = stats.get(key, {}).get(stat_name)
                 if value is None:
                     feature_type = self.features[key]["type"]
-                    raise ValueError(
+                    raise ConfigError(
                         f"No {stat_name!r} statistic for {key!r}, which normalisation mode {mode} needs. Use a "
                         f"dataset whose stats include it, or set policy.normalization_mapping.{feature_type}="
                         "IDENTITY."
@@ -77,7 +78,7 @@ class _NormalizationStep(ProcessorStep):
                 except RuntimeError:
                     broadcast = None
                 if broadcast != shape:
-                    raise ValueError(
+                    raise ConfigError(
                         f"Statistic {key}.{stat_name} has shape {tuple(tensor.shape)}, which does not broadcast "
                         f"to the feature shape {shape}; the stats belong to a different dataset."
                     )

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from lerobot_mg.errors import ConfigError
+
 PIPELINE_NAMES = ("policy_preprocessor", "policy_postprocessor")
 
 StepT = TypeVar("StepT", bound="ProcessorStep")
@@ -101,13 +103,13 @@ class PolicyProcessorPipeline:
         directory = Path(directory)
         manifest_path = directory / f"{name}.json"
         if not manifest_path.is_file():
-            raise ValueError(f"No {manifest_path.name} in {directory}; pass a `pretrained_model` directory.")
+            raise ConfigError(f"No {manifest_path.name} in {directory}; pass a `pretrained_model` directory.")
         manifest = json.loads(manifest_path.read_text())
         steps: list[ProcessorStep] = []
         for entry in manifest["steps"]:
             step_class = STEP_CLASSES.get(entry["class"])
             if step_class is None:
-                raise ValueError(
+                raise ConfigError(
                     f"{manifest_path} uses step class {entry['class']!r}; known classes: {sorted(STEP_CLASSES)}."
                 )
             state = load_file(str(directory / entry["state_file"])) if entry["state_file"] else {}

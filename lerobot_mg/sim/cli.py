@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lerobot_mg import cli
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.sim.env import EPISODE_LENGTH
 from lerobot_mg.sim.evaluate import evaluate_expert, evaluate_policy
 from lerobot_mg.sim.generate import HELD_OUT_SEED_START, generate_dataset
@@ -35,7 +36,7 @@ def _make_dataset(args: MakeDatasetArgs) -> None:
         report = generate_dataset(args.root, num_episodes=args.num_episodes, seed_start=args.seed_start,
                                   image_size=image_size, video_codec=args.video_codec)
     except ImportError as error:  # the sim extra is missing: its message names the install command
-        raise ValueError(str(error)) from error
+        raise ConfigError(str(error)) from error
     state = "reused" if report["reused"] else f"generated in {report['seconds']:.1f} s"
     print(f"{args.root}: {report['num_episodes']} episodes, {report['num_frames']} frames ({state}); "
           f"{report['num_discarded']} failed demos discarded (seeds {report['discarded_seeds']}).")
@@ -61,7 +62,7 @@ class EvalArgs:
 
     def __post_init__(self) -> None:
         if (self.policy_path is None) == (not self.expert):
-            raise ValueError("give exactly one of policy_path=<pretrained_model directory> and expert=true")
+            raise ConfigError("give exactly one of policy_path=<pretrained_model directory> and expert=true")
 
 
 def _eval(args: EvalArgs) -> None:
@@ -74,7 +75,7 @@ def _eval(args: EvalArgs) -> None:
                                      max_steps=args.max_steps, device=args.device,
                                      n_video_episodes=args.n_video_episodes, merge_adapter=not args.keep_adapter)
     except ImportError as error:  # the sim extra is missing: its message names the install command
-        raise ValueError(str(error)) from error
+        raise ConfigError(str(error)) from error
     print(f"success {report['num_successes']}/{report['n_episodes']} ({100 * report['success_rate']:.1f}%), "
           f"mean return {report['mean_return']:.1f}, seeds {args.seed_start}..{args.seed_start + args.n_episodes - 1}, "
           f"{report['seconds_per_episode']:.2f} s/episode")

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.sim.env import (
     EPISODE_LENGTH,
     FPS,
@@ -75,14 +76,14 @@ class PolicyController:
         inputs = self.policy.input_features
         unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
         if unsupported:
-            raise ValueError(
+            raise ConfigError(
                 f"The policy in {pretrained_dir} reads {unsupported}, which the transfer-cube simulation does not "
                 f"provide (it provides {list(SUPPORTED_INPUTS)}). Evaluate a policy trained on the embedded "
                 "ALOHA dataset."
             )
         action_shape = list(self.policy.output_features["action"]["shape"])
         if action_shape != [NUM_JOINTS]:
-            raise ValueError(
+            raise ConfigError(
                 f"The policy in {pretrained_dir} outputs actions of shape {action_shape}; the ALOHA scene takes "
                 f"[{NUM_JOINTS}] joint positions."
             )
@@ -148,7 +149,7 @@ def evaluate_policy(
     """
     pretrained_dir = Path(pretrained_dir)
     if not pretrained_dir.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"pretrained_dir={str(pretrained_dir)!r} is not a directory; pass a `pretrained_model` dir."
         )
     controller = PolicyController(pretrained_dir, device=device, merge_adapter=merge_adapter)
@@ -175,11 +176,11 @@ def run_evaluation(
     n_video_episodes: int = 3,
 ) -> dict[str, Any]:
     if n_episodes < 1:
-        raise ValueError(f"n_episodes={n_episodes} must be >= 1; pass e.g. --n_episodes=50.")
+        raise ConfigError(f"n_episodes={n_episodes} must be >= 1; pass e.g. --n_episodes=50.")
     if max_steps < 1:
-        raise ValueError(f"max_steps={max_steps} must be >= 1; pass e.g. --max_steps={EPISODE_LENGTH}.")
+        raise ConfigError(f"max_steps={max_steps} must be >= 1; pass e.g. --max_steps={EPISODE_LENGTH}.")
     if seed_start < 0:
-        raise ValueError(
+        raise ConfigError(
             f"seed_start={seed_start} must be >= 0; held-out seeds start at {HELD_OUT_SEED_START}."
         )
     sim = TransferCubeSim()

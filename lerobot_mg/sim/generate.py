@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lerobot_mg.data.writer import LeRobotDatasetWriter
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.sim.env import (
     CAMERA,
     EPISODE_LENGTH,
@@ -94,7 +95,7 @@ def generate_dataset(
     if marker.is_file():
         report = json.loads(marker.read_text())
         if report["arguments"] != arguments:
-            raise ValueError(
+            raise ConfigError(
                 f"{root} already holds a generated dataset made with {report['arguments']}, not {arguments}. "
                 f"Pass another root, or delete {root} to regenerate it."
             )
@@ -210,19 +211,19 @@ def _validate_arguments(
     num_episodes: int, seed_start: int, image_size: tuple[int, int] | None, video_codec: str
 ) -> None:
     if num_episodes < 1:
-        raise ValueError(f"num_episodes={num_episodes} must be >= 1; pass e.g. --num_episodes=50.")
+        raise ConfigError(f"num_episodes={num_episodes} must be >= 1; pass e.g. --num_episodes=50.")
     if not 0 <= seed_start < HELD_OUT_SEED_START:
-        raise ValueError(
+        raise ConfigError(
             f"seed_start={seed_start} must be in [0, {HELD_OUT_SEED_START}): seeds from {HELD_OUT_SEED_START} on "
             "are held out for evaluation. Pass e.g. --seed_start=0."
         )
     if image_size is not None and (len(image_size) != 2 or any(size % 2 for size in image_size)):
-        raise ValueError(
+        raise ConfigError(
             f"image_size={image_size} must be (height, width) with even sizes (the video is yuv420p); "
             "pass e.g. --image_size 240 320."
         )
     if video_codec not in ("h264", "av1"):
-        raise ValueError(f"video_codec={video_codec!r} is not supported; pass 'h264' or 'av1'.")
+        raise ConfigError(f"video_codec={video_codec!r} is not supported; pass 'h264' or 'av1'.")
 
 
 def _remove_incomplete(root: Path) -> None:
@@ -230,10 +231,10 @@ def _remove_incomplete(root: Path) -> None:
     if not root.exists():
         return
     if not root.is_dir():
-        raise ValueError(f"Dataset root {root} exists and is not a directory; pass a directory path.")
+        raise ConfigError(f"Dataset root {root} exists and is not a directory; pass a directory path.")
     foreign = sorted(entry.name for entry in root.iterdir() if entry.name not in _DATASET_ENTRIES)
     if foreign:
-        raise ValueError(
+        raise ConfigError(
             f"{root} has no {COMPLETE_MARKER} but holds {foreign}, which a dataset generation does not write; "
             "refusing to delete it. Pass an empty or new directory as the dataset root."
         )

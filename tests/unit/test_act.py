@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import (
     POLICIES,
     ACTConfig,
@@ -233,7 +234,7 @@ def test_from_pretrained_without_weights_points_to_dcp_conversion(tmp_path: Path
     policy = ACTPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS)
     policy.write_config(tmp_path)
     assert [path.name for path in tmp_path.iterdir()] == ["config.json"]
-    with pytest.raises(ValueError, match="lerobot-mg-convert-dcp"):
+    with pytest.raises(ConfigError, match="lerobot-mg-convert-dcp"):
         ACTPolicy.from_pretrained(tmp_path)
 
 
@@ -285,7 +286,7 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
     ],
 )
 def test_config_validation_errors(overrides: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         tiny_config(**overrides).validate()
 
 
@@ -317,7 +318,7 @@ def test_make_policy_from_hydra_config_and_dataset_features() -> None:
         "observation.state": {"type": "STATE", "shape": [2]},
     }
     assert policy.output_features == {"action": {"type": "ACTION", "shape": [2]}}
-    with pytest.raises(ValueError, match="n_action_steps=6 exceeds"):
+    with pytest.raises(ConfigError, match="n_action_steps=6 exceeds"):
         make_policy(tiny_config(n_action_steps=6), info["features"])
 
 
@@ -348,7 +349,7 @@ def test_features_from_dataset_types_and_selection() -> None:
     assert outputs == {"action": {"type": "ACTION", "shape": [14]}}
     inputs, _ = features_from_dataset(dataset_features, ["observation.state"])
     assert list(inputs) == ["observation.state"]
-    with pytest.raises(ValueError, match=r"names \['observation.wrist'\], which the dataset does not have"):
+    with pytest.raises(ConfigError, match=r"observation_keys=\['observation.wrist'\]: the dataset has no feature"):
         features_from_dataset(dataset_features, ["observation.wrist"])
 
 

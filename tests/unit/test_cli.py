@@ -9,6 +9,7 @@ import pytest
 
 from lerobot_mg.checkpoint.convert import ConvertArgs
 from lerobot_mg.cli import help_text, parse, run
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.scripts_entry import CompareArgs
 from lerobot_mg.sim.cli import EvalArgs, MakeDatasetArgs
 
@@ -54,7 +55,7 @@ def test_defaults_and_null() -> None:
     ],
 )
 def test_errors_name_the_key_the_value_and_the_fix(argv: list[str], message: str) -> None:
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         parse(Args, argv)
     assert str(error.value) == message
 
@@ -87,7 +88,7 @@ def test_every_console_command_takes_both_spellings(args_type: type, argv: list[
 
 
 def test_command_checks_name_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"give exactly one of policy_path=<pretrained_model directory> and expert"):
+    with pytest.raises(ConfigError, match=r"give exactly one of policy_path=<pretrained_model directory> and expert"):
         parse(EvalArgs, ["n_episodes=5"])
     assert parse(EvalArgs, ["--expert"]).expert
     assert parse(CompareArgs, ["a", "b", "--check-resume", "--out", "o"]) == CompareArgs(

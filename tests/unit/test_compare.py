@@ -18,6 +18,7 @@ from lerobot_mg.accounting.compare import check_resume, compare_runs, pick_resum
 from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest, read_ledger
 from lerobot_mg.accounting.report import format_markdown, format_text
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, ResumeCause, RunFacts
 from lerobot_mg.scripts_entry import compare_runs as main
 
@@ -259,7 +260,7 @@ def test_check_resume_without_digests_after_the_boundary_is_unverified(tmp_path:
 
 
 def test_check_resume_needs_a_resumed_run(note_runs: tuple[Path, Path]) -> None:
-    with pytest.raises(ValueError, match="neither .* has a resume record"):
+    with pytest.raises(ConfigError, match="neither .* has a resume record"):
         pick_resumed_run([read_ledger(run_dir) for run_dir in note_runs])
 
 

@@ -7,7 +7,6 @@ compose time; LeRobot's ``--key=value`` spelling works; every ``ValueError`` of
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from tests.launch_utils import PUSHT_SLICE
 
@@ -42,7 +42,7 @@ def _train_config(overrides: list[str]) -> TrainConfig:
 
 def _validation_error(overrides: list[str], world_size: int = 1) -> str:
     cfg = _train_config(overrides)
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         validate(cfg, world_size)
     return str(error.value)
 
@@ -461,7 +461,7 @@ ERRORS: list[tuple[str, list[str], int, str, str]] = [
     ),
     (
         "warmup_not_below_steps",
-        [*VALID, "steps=50", "scheduler=cosine"],
+        [*VALID, "steps=50", "scheduler=cosine", "scheduler.num_warmup_steps=100"],
         1,
         "scheduler.num_warmup_steps=100: must be in [0, steps=50)",
         "scheduler.num_warmup_steps=<fewer than steps>",
@@ -633,20 +633,15 @@ def test_existing_output_dir_without_resume_is_refused(tmp_path: Path) -> None:
 
 
 def test_policy_errors_name_the_policy_key() -> None:
-    with pytest.raises(ValueError, match=r"policy.n_action_steps=20 exceeds policy.chunk_size=10"):
+    with pytest.raises(ConfigError, match=r"policy.n_action_steps=20 exceeds policy.chunk_size=10"):
         validate(_train_config([*VALID, "policy.n_action_steps=20"]), world_size=1)
 
 
-def test_policy_without_param_dtype_warns_that_compute_stays_float32(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="lerobot_mg.config.validate"):
+def test_a_reduce_dtype_needs_a_param_dtype() -> None:
+    with pytest.raises(ConfigError, match=r"reduce_dtype='float32': is set without param_dtype.*float32 compute"):
         validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32"]), 2)
-    assert "set without param_dtype" in caplog.text and "float32 compute" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lerobot_mg.config.validate"):
-        validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16"]), 2)
-    assert caplog.text == ""
+    validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16",
+                            "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32"]), 2)
 
 
 def test_the_guides_flat_checkpoint_flags_map_to_the_checkpoint_group() -> None:

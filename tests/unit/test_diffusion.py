@@ -11,6 +11,7 @@ import torch
 
 from lerobot_mg.config.loading import apply_policy_path, to_train_config
 from lerobot_mg.data.sampler import sample_seeds
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import DiffusionConfig, DiffusionPolicy, delta_timestamps, load_policy, make_policy
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
@@ -266,7 +267,7 @@ def test_make_policy_from_the_pusht_features() -> None:
     policy = make_policy(tiny_config(crop_shape=[84, 84]), info["features"])
     assert isinstance(policy, DiffusionPolicy)
     assert policy.input_features["observation.image"] == {"type": "VISUAL", "shape": [3, 96, 96]}
-    with pytest.raises(ValueError, match=r"policy.crop_shape=\[100, 84\] is larger than the images"):
+    with pytest.raises(ConfigError, match=r"policy.crop_shape=\[100, 84\] is larger than the images"):
         make_policy(tiny_config(crop_shape=[100, 84]), info["features"])
 
 
@@ -300,6 +301,6 @@ def test_policy_path_to_a_diffusion_base_makes_a_diffusion_run(tmp_path: Path) -
     ],
 )
 def test_config_validation_errors(overrides: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         tiny_config(**overrides).validate()
     DiffusionConfig().validate()

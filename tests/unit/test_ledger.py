@@ -22,6 +22,7 @@ from lerobot_mg.accounting.ledger import (
     read_ledger,
 )
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import CodeRevision, FactChange, Progress, ResumeCause, RunFacts
 from lerobot_mg.tracking import LoaderDigests
 
@@ -198,7 +199,7 @@ def test_unreadable_line_inside_a_segment_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / LEDGER_FILENAME
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], "{not json", lines[1]]) + "\n")
-    with pytest.raises(ValueError, match=r"ledger.jsonl:2: unreadable line in the middle of a run segment"):
+    with pytest.raises(ConfigError, match=r"ledger.jsonl:2: unreadable line in the middle of a run segment"):
         read_ledger(tmp_path)
 
 
@@ -238,15 +239,15 @@ def test_an_attempt_wholly_redone_is_superseded(tmp_path: Path) -> None:
 
 
 def test_reader_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"has no ledger.jsonl: pass a run directory"):
+    with pytest.raises(ConfigError, match=r"has no ledger.jsonl: pass a run directory"):
         read_ledger(tmp_path)
     path = tmp_path / LEDGER_FILENAME
     path.write_text('{"kind": "interval", "progress": {}}\n')
-    with pytest.raises(ValueError, match=r"ledger.jsonl:1: expected a start, resume or interval record after a "
+    with pytest.raises(ConfigError, match=r"ledger.jsonl:1: expected a start, resume or interval record after a "
                                          r"start record, got kind 'interval'"):
         read_ledger(tmp_path)
     path.write_text('{"kind": "start", "time": 1.0}\n')
-    with pytest.raises(ValueError, match=r"ledger.jsonl:1: malformed 'start' record"):
+    with pytest.raises(ConfigError, match=r"ledger.jsonl:1: malformed 'start' record"):
         read_ledger(tmp_path)
 
 

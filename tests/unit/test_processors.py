@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import ACTConfig, features_from_dataset
 from lerobot_mg.processors import (
     NormalizerStep,
@@ -159,7 +160,7 @@ def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
 
 
 def test_load_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="No policy_preprocessor.json in"):
+    with pytest.raises(ConfigError, match="No policy_preprocessor.json in"):
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
     (tmp_path / "policy_preprocessor.json").write_text(
         json.dumps(
@@ -182,7 +183,7 @@ def test_missing_or_mismatched_stats_are_user_errors() -> None:
     ):
         make_processors(config_with(), INPUTS, OUTPUTS, stats_without_std)
     wrong_shape = {**STATS, "observation.state": {"mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}}
-    with pytest.raises(ValueError, match=r"observation.state.mean has shape \(3,\).*feature shape \(2,\)"):
+    with pytest.raises(ConfigError, match=r"observation.state.mean has shape \(3,\).*feature shape \(2,\)"):
         make_processors(config_with(), INPUTS, OUTPUTS, wrong_shape)
     # IDENTITY needs no statistics at all.
     make_processors(config_with(ACTION="IDENTITY"), INPUTS, OUTPUTS, stats_without_std)

@@ -7,7 +7,9 @@ same dataclass is registered in Hydra's ConfigStore and must survive an OmegaCon
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.config_checks import (
     check_inputs_and_normalization,
     check_positive_ints,
@@ -31,6 +33,7 @@ def _default_vision_channels() -> list[int]:
 class ACTConfig:
     """Action Chunking Transformer (Zhao et al. 2023), LeRobot-compatible field names."""
 
+    action_length_key: ClassVar[str] = "chunk_size"  # the field that sets len(action_delta_indices)
     type: str = "act"
     # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
     # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
@@ -67,9 +70,9 @@ class ACTConfig:
         return list(range(self.chunk_size))
 
     def validate(self) -> None:
-        """Raise a ValueError naming `policy.<field>`, the bad value and the fix."""
+        """Raise a ConfigError naming `policy.<field>`, the bad value and the fix."""
         if self.type != "act":
-            raise ValueError(f"policy.type={self.type!r} does not match ACTConfig; use policy=act.")
+            raise ConfigError(f"policy.type={self.type!r} does not match ACTConfig; use policy=act.")
         positive_ints = {
             "chunk_size": self.chunk_size,
             "n_action_steps": self.n_action_steps,
@@ -84,26 +87,26 @@ class ACTConfig:
             positive_ints["n_vae_encoder_layers"] = self.n_vae_encoder_layers
         check_positive_ints(positive_ints)
         if self.n_action_steps > self.chunk_size:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.n_action_steps={self.n_action_steps} exceeds policy.chunk_size={self.chunk_size}: "
                 f"a chunk cannot feed more steps than it holds. Set policy.n_action_steps<={self.chunk_size}."
             )
         if self.dim_model % self.n_heads != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.dim_model={self.dim_model} is not divisible by policy.n_heads={self.n_heads}; "
                 "choose values such that dim_model % n_heads == 0 (e.g. policy.n_heads=8 with dim_model=512)."
             )
         if self.feedforward_activation not in FEEDFORWARD_ACTIVATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.feedforward_activation={self.feedforward_activation!r} is not one of "
                 f"{list(FEEDFORWARD_ACTIVATIONS)}; pass e.g. policy.feedforward_activation=relu."
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.dropout={self.dropout} must be in [0, 1); pass e.g. policy.dropout=0.1."
             )
         if self.kl_weight < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.kl_weight={self.kl_weight} must be >= 0; pass e.g. policy.kl_weight=10."
             )
         check_vision_channels(self.vision_channels, "[32,64,128,256]")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy
 from lerobot_mg.policies.vision import VisionBackbone
@@ -177,14 +178,14 @@ class ACT(nn.Module):
         dim = config.dim_model
         for key, spec in input_features.items():
             if spec["type"] in ("STATE", "ENV") and len(spec["shape"]) != 1:
-                raise ValueError(f"ACT takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
+                raise ConfigError(f"ACT takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
         self.state_keys = [key for key, spec in input_features.items() if spec["type"] == "STATE"]
         self.vector_keys = [key for key, spec in input_features.items() if spec["type"] in ("STATE", "ENV")]
         self.image_keys = [key for key, spec in input_features.items() if spec["type"] == "VISUAL"]
         if not self.vector_keys and not self.image_keys:
-            raise ValueError(f"ACT needs at least one STATE, ENV or VISUAL input; got {input_features}.")
+            raise ConfigError(f"ACT needs at least one STATE, ENV or VISUAL input; got {input_features}.")
         if "action" not in output_features or len(output_features["action"]["shape"]) != 1:
-            raise ValueError(f"ACT needs a 1-D `action` output feature; got {output_features}.")
+            raise ConfigError(f"ACT needs a 1-D `action` output feature; got {output_features}.")
         action_dim = int(output_features["action"]["shape"][0])
 
         if config.use_vae:
@@ -205,7 +206,7 @@ class ACT(nn.Module):
         if self.image_keys:
             num_channels = {int(input_features[key]["shape"][0]) for key in self.image_keys}
             if len(num_channels) != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"ACT shares one vision backbone across cameras, so all images need the same channel count; "
                     f"got { {key: input_features[key]['shape'] for key in self.image_keys} }."
                 )

@@ -8,7 +8,9 @@ types appear here: the dataclass is registered in Hydra's ConfigStore and must s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.config_checks import (
     check_inputs_and_normalization,
     check_positive_ints,
@@ -42,6 +44,7 @@ class DiffusionConfig:
     """Diffusion Policy (Chi et al. 2023, "Diffusion Policy: Visuomotor Policy Learning via Action Diffusion"),
     the 1-D temporal convolutional U-Net with FiLM conditioning, LeRobot-compatible field names."""
 
+    action_length_key: ClassVar[str] = "horizon"  # the field that sets len(action_delta_indices)
     type: str = "diffusion"
     # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
     # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
@@ -94,9 +97,9 @@ class DiffusionConfig:
         return self.num_train_timesteps if self.num_inference_steps is None else self.num_inference_steps
 
     def validate(self) -> None:
-        """Raise a ValueError naming `policy.<field>`, the bad value and the fix."""
+        """Raise a ConfigError naming `policy.<field>`, the bad value and the fix."""
         if self.type != "diffusion":
-            raise ValueError(f"policy.type={self.type!r} does not match DiffusionConfig; use policy=diffusion.")
+            raise ConfigError(f"policy.type={self.type!r} does not match DiffusionConfig; use policy=diffusion.")
         check_positive_ints(
             {
                 "n_obs_steps": self.n_obs_steps,
@@ -113,36 +116,36 @@ class DiffusionConfig:
             check_positive_ints({"num_inference_steps": self.num_inference_steps})
         usable = self.horizon - self.n_obs_steps + 1
         if self.n_action_steps > usable:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.n_action_steps={self.n_action_steps} exceeds the {usable} frames a chunk holds from the "
                 f"current one on (horizon - n_obs_steps + 1 = {self.horizon} - {self.n_obs_steps} + 1). Set "
                 f"policy.n_action_steps<={usable} or a longer policy.horizon."
             )
         if not self.down_dims or any(width < 1 for width in self.down_dims):
-            raise ValueError(
+            raise ConfigError(
                 f"policy.down_dims={list(self.down_dims)} needs at least one positive width; pass e.g. "
                 "policy.down_dims=[512,1024,2048]."
             )
         downsampling = 2 ** (len(self.down_dims) - 1)
         if self.horizon % downsampling:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.horizon={self.horizon} is not a multiple of {downsampling}, the U-Net's downsampling "
                 f"factor with {len(self.down_dims)} levels (policy.down_dims={list(self.down_dims)}). Set "
                 f"policy.horizon={-(-self.horizon // downsampling) * downsampling}."
             )
         bad_groups = [width for width in self.down_dims if width % self.n_groups]
         if bad_groups:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.n_groups={self.n_groups} does not divide the U-Net widths {bad_groups} "
                 f"(policy.down_dims={list(self.down_dims)}); GroupNorm needs it to. Pass e.g. policy.n_groups=8."
             )
         if self.kernel_size % 2 == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.kernel_size={self.kernel_size} must be odd so that convolutions keep the horizon; "
                 f"pass e.g. policy.kernel_size={self.kernel_size + 1}."
             )
         if self.crop_shape is not None and (len(self.crop_shape) != 2 or min(self.crop_shape) < 1):
-            raise ValueError(
+            raise ConfigError(
                 f"policy.crop_shape={list(self.crop_shape)} must be [height, width] with positive sizes, or null "
                 "for no crop; pass e.g. policy.crop_shape=[84,84]."
             )
@@ -153,22 +156,22 @@ class DiffusionConfig:
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
-                raise ValueError(
+                raise ConfigError(
                     f"policy.{name}={value!r} is not one of {list(allowed)}; pass e.g. policy.{name}={allowed[0]}."
                 )
         if self.inference_steps > self.num_train_timesteps:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.num_inference_steps={self.num_inference_steps} exceeds policy.num_train_timesteps="
                 f"{self.num_train_timesteps}; the sampler walks a subset of the training timesteps. Pass e.g. "
                 "policy.num_inference_steps=10 (with policy.noise_scheduler_type=DDIM)."
             )
         if not 0.0 < self.beta_start < self.beta_end < 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.beta_start={self.beta_start} and policy.beta_end={self.beta_end} need "
                 "0 < beta_start < beta_end < 1; pass e.g. policy.beta_start=0.0001 policy.beta_end=0.02."
             )
         if self.clip_sample_range <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.clip_sample_range={self.clip_sample_range} must be > 0; pass e.g. policy.clip_sample_range=1."
             )
         check_vision_channels(self.vision_channels, "[32,64,128,256]")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY, FeatureSpec, PreTrainedPolicy
 from lerobot_mg.policies.diffusion.configuration_diffusion import DiffusionConfig
 from lerobot_mg.policies.vision import VisionBackbone
@@ -137,12 +138,12 @@ class ObservationEncoder(nn.Module):
         vector_dims = {key: int(spec["shape"][0]) for key, spec in input_features.items() if spec["type"] != "VISUAL"}
         for key, spec in input_features.items():
             if spec["type"] != "VISUAL" and len(spec["shape"]) != 1:
-                raise ValueError(f"Diffusion takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
+                raise ConfigError(f"Diffusion takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
         self.rgb_encoders = nn.ModuleList()
         if self.image_keys:
             channels = {int(input_features[key]["shape"][0]) for key in self.image_keys}
             if len(channels) != 1 and not config.use_separate_rgb_encoder_per_camera:
-                raise ValueError(
+                raise ConfigError(
                     "One shared image encoder needs the same channel count in every camera; got "
                     f"{ {key: input_features[key]['shape'] for key in self.image_keys} }. Set "
                     "policy.use_separate_rgb_encoder_per_camera=true."
@@ -304,7 +305,7 @@ class DiffusionPolicy(PreTrainedPolicy):
         super().__init__(config, input_features, output_features)
         self.config: DiffusionConfig = config
         if "action" not in output_features or len(output_features["action"]["shape"]) != 1:
-            raise ValueError(f"Diffusion needs a 1-D `action` output feature; got {output_features}.")
+            raise ConfigError(f"Diffusion needs a 1-D `action` output feature; got {output_features}.")
         self.action_dim = int(output_features["action"]["shape"][0])
         self.image_keys = [key for key, spec in self.input_features.items() if spec["type"] == "VISUAL"]
         encoder_features = {key: dict(spec) for key, spec in self.input_features.items()}
@@ -313,7 +314,7 @@ class DiffusionPolicy(PreTrainedPolicy):
                 _, height, width = self.input_features[key]["shape"]
                 crop_height, crop_width = config.crop_shape
                 if crop_height > height or crop_width > width:
-                    raise ValueError(
+                    raise ConfigError(
                         f"policy.crop_shape={list(config.crop_shape)} is larger than the images of {key!r} "
                         f"({height}x{width}); pass e.g. policy.crop_shape=[{height},{width}] or null."
                     )
