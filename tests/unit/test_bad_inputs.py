@@ -195,6 +195,300 @@ CATALOGUE = [
 ]
 
 
+DP_SHARD_2 = [*VALID, "parallelism.dp_shard=2"]  # on 2 processes
+# More of validate's refusals: (id, typed, world size, the message's start, its fix).
+VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
+    # the layout
+    (
+        "dp_replicate_below_1",
+        [*VALID, "parallelism.dp_replicate=0"],
+        1,
+        "parallelism.dp_replicate=0: must be >= 1",
+        "parallelism.dp_replicate=1",
+    ),
+    (
+        "dp_shard_zero",
+        [*VALID, "parallelism.dp_shard=0"],
+        1,
+        "parallelism.dp_shard=0: must be >= 1, or -1 for all processes",
+        "parallelism.dp_shard=-1",
+    ),
+    (
+        "dp_shard_below_minus_1",
+        [*VALID, "parallelism.dp_shard=-2"],
+        1,
+        "parallelism.dp_shard=-2: must be >= 1, or -1 for all processes",
+        "parallelism.dp_shard=-1",
+    ),
+    (
+        "dp_replicate_not_dividing_world",
+        [*VALID, "parallelism=hsdp"],
+        3,
+        "parallelism.dp_replicate=2: does not divide the 3 processes the launcher started",
+        "parallelism.dp_replicate=<a divisor of 3>",
+    ),
+    (
+        "dp_degrees_mismatch_world",
+        [*VALID, "parallelism.dp_replicate=2", "parallelism.dp_shard=2"],
+        2,
+        "parallelism={'dp_replicate': 2, 'dp_shard': 2}: dp_replicate x dp_shard = 4 but the launcher "
+        "started 2 process(es)",
+        "parallelism.dp_shard=-1 (shard over all processes), or launch 4 processes "
+        "(torchrun --nproc-per-node=...)",
+    ),
+    (
+        "dp_shard_above_world",
+        [*VALID, "parallelism.dp_shard=4"],
+        2,
+        "parallelism={'dp_replicate': 1, 'dp_shard': 4}: dp_replicate x dp_shard = 4 but the launcher "
+        "started 2",
+        "parallelism.dp_shard=-1 (shard over all processes), or launch 4 processes "
+        "(torchrun --nproc-per-node=...)",
+    ),
+    # the loop
+    ("steps", [*VALID, "steps=0"], 1, "steps=0: must be >= 1", "steps=<a positive integer>"),
+    (
+        "batch_size",
+        [*VALID, "batch_size=0"],
+        1,
+        "batch_size=0: must be >= 1",
+        "batch_size=<a positive integer>",
+    ),
+    ("log_freq", [*VALID, "log_freq=-1"], 1, "log_freq=-1: must be >= 1", "log_freq=<a positive integer>"),
+    ("num_workers", [*VALID, "num_workers=-1"], 1, "num_workers=-1: must be >= 0", "num_workers=0"),
+    # the accelerator
+    (
+        "mixed_precision",
+        [*VALID, "accelerator.mixed_precision=fp8"],
+        1,
+        "accelerator.mixed_precision='fp8': must be one of ('no', 'bf16', 'fp16')",
+        "accelerator.mixed_precision=bf16",
+    ),
+    (
+        "gradient_accumulation",
+        [*VALID, "accelerator.gradient_accumulation.steps=0"],
+        1,
+        "accelerator.gradient_accumulation.steps=0: must be >= 1",
+        "accelerator.gradient_accumulation.steps=1",
+    ),
+    (
+        "wrap_and_min_num_params",
+        [*DP_SHARD_2, "accelerator.fsdp.wrap_modules=[ACTEncoderLayer]", "accelerator.fsdp.min_num_params=1000"],
+        2,
+        "accelerator.fsdp.min_num_params=1000: cannot be combined with accelerator.fsdp.wrap_modules "
+        "(choose one wrap policy)",
+        "remove accelerator.fsdp.min_num_params or accelerator.fsdp.wrap_modules",
+    ),
+    (
+        "empty_wrap_modules",
+        [*DP_SHARD_2, "accelerator.fsdp.wrap_modules=[]"],
+        2,
+        "accelerator.fsdp.wrap_modules=[]: names no class: only the root would be wrapped",
+        "accelerator.fsdp.wrap_modules='[\"MyBlock\"]'",
+    ),
+    (
+        "min_num_params_below_1",
+        [*DP_SHARD_2, "accelerator.fsdp.min_num_params=0"],
+        2,
+        "accelerator.fsdp.min_num_params=0: must be >= 1",
+        "accelerator.fsdp.min_num_params=1000000",
+    ),
+    (
+        "unknown_policy_dtype",
+        [*DP_SHARD_2, "accelerator.fsdp.mixed_precision_policy.reduce_dtype=fp32"],
+        2,
+        "accelerator.fsdp.mixed_precision_policy.reduce_dtype='fp32': must be one of "
+        "('float32', 'bfloat16', 'float16')",
+        "accelerator.fsdp.mixed_precision_policy.reduce_dtype=bfloat16",
+    ),
+    (
+        "float16_without_fp16",
+        [*DP_SHARD_2, "accelerator=bf16", "accelerator.fsdp.mixed_precision_policy.param_dtype=float16"],
+        2,
+        "accelerator.fsdp.mixed_precision_policy.param_dtype='float16': float16 needs the loss scaler, "
+        "which only accelerator.mixed_precision=fp16 builds",
+        "accelerator.mixed_precision=fp16",
+    ),
+    (
+        "float16_output_without_fp16",
+        [*DP_SHARD_2, "accelerator.fsdp.mixed_precision_policy.output_dtype=float16"],
+        2,
+        "accelerator.fsdp.mixed_precision_policy.output_dtype='float16': float16 needs the loss scaler",
+        "accelerator.mixed_precision=fp16",
+    ),
+    # the checkpoint
+    (
+        "checkpoint_format",
+        [*VALID, "checkpoint.format=pickle"],
+        1,
+        "checkpoint.format='pickle': must be one of ('safetensors', 'dcp', 'safetensors_dcp')",
+        "checkpoint.format=safetensors",
+    ),
+    (
+        "save_freq",
+        [*VALID, "checkpoint.save_freq=0"],
+        1,
+        "checkpoint.save_freq=0: must be >= 1",
+        "checkpoint.save_freq=1000",
+    ),
+    (
+        "keep_last",
+        [*VALID, "checkpoint.keep_last=0"],
+        1,
+        "checkpoint.keep_last=0: must be >= 1 (or null to keep all)",
+        "checkpoint.keep_last=null",
+    ),
+    # data, optimizer, scheduler, logging, eval
+    (
+        "dataset_name",
+        [*VALID, "dataset.name=hub"],
+        1,
+        "dataset.name='hub': must be one of ('embedded', 'lerobot')",
+        "dataset=lerobot",
+    ),
+    (
+        "missing_dataset_root",
+        [*VALID, "dataset.root=/nonexistent/pusht"],
+        1,
+        "dataset.root='/nonexistent/pusht': is not a LeRobot v3.0 dataset (no meta/info.json)",
+        "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>",
+    ),
+    (
+        "missing_embedded_dataset",
+        ["dataset=embedded", "dataset.root=/nonexistent/aloha"],
+        1,
+        "dataset.root='/nonexistent/aloha': is not a LeRobot v3.0 dataset (no meta/info.json)",
+        "generate it first: lerobot-mg-make-dataset (or make train does it)",
+    ),
+    (
+        "optimizer_type",
+        [*VALID, "optimizer.type=sgd"],
+        1,
+        "optimizer.type='sgd': only adamw is available",
+        "optimizer=adamw",
+    ),
+    ("lr", [*VALID, "optimizer.lr=0"], 1, "optimizer.lr=0.0: must be > 0", "optimizer.lr=1e-4"),
+    (
+        "grad_clip_norm",
+        [*VALID, "optimizer.grad_clip_norm=-1"],
+        1,
+        "optimizer.grad_clip_norm=-1.0: must be >= 0 (0 disables clipping)",
+        "optimizer.grad_clip_norm=10",
+    ),
+    (
+        "scheduler_type",
+        [*VALID, "scheduler.type=linear"],
+        1,
+        "scheduler.type='linear': must be one of ('none', 'constant', 'cosine')",
+        "scheduler=cosine",
+    ),
+    (
+        "warmup_not_below_steps",
+        [*VALID, "steps=50", "scheduler=cosine", "scheduler.num_warmup_steps=100"],
+        1,
+        "scheduler.num_warmup_steps=100: must be in [0, steps=50)",
+        "scheduler.num_warmup_steps=<fewer than steps>",
+    ),
+    (
+        "warmup_equal_to_steps",
+        [*VALID, "steps=10", "scheduler.num_warmup_steps=10"],
+        1,
+        "scheduler.num_warmup_steps=10: must be in [0, steps=10)",
+        "scheduler.num_warmup_steps=<fewer than steps>",
+    ),
+    (
+        "warmup_negative",
+        [*VALID, "scheduler.num_warmup_steps=-1"],
+        1,
+        "scheduler.num_warmup_steps=-1: must be in [0, steps=50)",
+        "scheduler.num_warmup_steps=<fewer than steps>",
+    ),
+    (
+        "min_lr_ratio",
+        [*VALID, "scheduler.min_lr_ratio=1.5"],
+        1,
+        "scheduler.min_lr_ratio=1.5: must be in [0, 1]",
+        "scheduler.min_lr_ratio=0",
+    ),
+    (
+        "wandb_mode",
+        [*VALID, "logging.wandb.mode=cloud"],
+        1,
+        "logging.wandb.mode='cloud': must be one of ('offline', 'online', 'disabled')",
+        "logging.wandb.mode=offline",
+    ),
+    (
+        "eval_episodes_negative",
+        [*VALID, "eval.n_episodes=-1"],
+        1,
+        "eval.n_episodes=-1: must be >= 0",
+        "eval.n_episodes=0",
+    ),
+    (
+        "eval_on_non_embedded_dataset",
+        [*VALID, "eval.n_episodes=5"],
+        1,
+        "eval.n_episodes=5: evaluation runs the ALOHA transfer-cube simulation, which only matches the "
+        "embedded dataset",
+        "eval.n_episodes=0, or dataset=embedded",
+    ),
+    # resume and the run directory
+    (
+        "resume_without_config_path",
+        [*VALID, "resume=true"],
+        1,
+        "config_path=None: resume=true needs the train_config.json of the checkpoint to resume",
+        "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+    ),
+    (
+        "resume_from_missing_config",
+        [*VALID, "resume=true", "config_path=/nonexistent/train_config.json"],
+        1,
+        "config_path='/nonexistent/train_config.json': does not exist",
+        "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+    ),
+    # accumulation boundaries, optimizer shape, evaluation needs
+    (
+        "steps_not_a_multiple_of_accumulation",
+        [*VALID, "steps=10", "accelerator.gradient_accumulation.steps=4"],
+        1,
+        "steps=10: is not a multiple of accelerator.gradient_accumulation.steps=4",
+        "steps=12",
+    ),
+    (
+        "save_inside_an_accumulation_window",
+        [*VALID, "steps=12", "checkpoint.save_freq=6", "accelerator.gradient_accumulation.steps=4"],
+        1,
+        "checkpoint.save_freq=6: is not a multiple of accelerator.gradient_accumulation.steps=4",
+        "checkpoint.save_freq=8",
+    ),
+    (
+        "betas_not_two_values",
+        [*VALID, "optimizer.betas=[0.9]"],
+        1,
+        "optimizer.betas=[0.9]: must be two values in [0, 1)",
+        "optimizer.betas=[0.9,0.999]",
+    ),
+    (
+        "eval_without_a_gathered_checkpoint",
+        [*VALID, "dataset.name=embedded", "eval.n_episodes=5", "checkpoint.save_checkpoint=false"],
+        1,
+        "eval.n_episodes=5: evaluation loads the last checkpoint's model.safetensors, which this run does not write",
+        "checkpoint.save_checkpoint=true with checkpoint.format=safetensors or safetensors_dcp, or eval.n_episodes=0",
+    ),
+    (
+        "config_path_without_resume",
+        [*VALID, f"config_path={PUSHT_SLICE / 'meta' / 'info.json'}"],
+        1,
+        f"config_path='{PUSHT_SLICE / 'meta' / 'info.json'}': is only read when resuming",
+        "resume=true, or remove config_path",
+    ),
+]
+_IDS = {row.id for row in CATALOGUE}
+CATALOGUE += [BadInput(row_id, typed, start, fix, world_size) for row_id, typed, world_size, start, fix in VALIDATION_ROWS
+              if row_id not in _IDS]
+
+
 def _run_config(typed: list[str], world_size: int):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
