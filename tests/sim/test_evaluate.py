@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lerobot_mg.data import LeRobotDataset
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import ACTConfig, DiffusionConfig, make_policy
 from lerobot_mg.processors import make_processors
 from lerobot_mg.sim import HELD_OUT_SEED_START, evaluate_policy
@@ -137,9 +138,9 @@ def test_policy_with_inputs_the_simulation_lacks_is_rejected(tmp_path: Path) -> 
         "observation.images.wrist": {"mean": [[[0.5]]] * 3, "std": [[[0.2]]] * 3}
     }
     save_untrained_policy(tmp_path, features, stats)
-    with pytest.raises(ValueError, match=r"reads \['observation.images.wrist'\], which the transfer-cube"):
+    with pytest.raises(ConfigError, match=r"reads \['observation.images.wrist'\], which the transfer-cube"):
         evaluate_policy(tmp_path, n_episodes=1, seed_start=HELD_OUT_SEED_START)
-    with pytest.raises(ValueError, match="is not a directory"):
+    with pytest.raises(ConfigError, match="is not a directory"):
         evaluate_policy(tmp_path / "missing", n_episodes=1, seed_start=HELD_OUT_SEED_START)
 
 

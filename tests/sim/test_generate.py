@@ -13,6 +13,7 @@ import pytest
 from gym_aloha.constants import START_ARM_POSE
 
 from lerobot_mg.data import LeRobotDataset
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.sim import COMPLETE_MARKER, generate_dataset
 from lerobot_mg.sim.cli import make_dataset_main
 from lerobot_mg.sim.env import EPISODE_LENGTH, sample_cube_pose
@@ -93,13 +94,13 @@ def test_cache_is_reused_and_an_incomplete_directory_regenerated(tmp_path: Path)
     assert not third["reused"] and (root / COMPLETE_MARKER).is_file()
     assert len(LeRobotDataset(root)) == EPISODE_LENGTH
 
-    with pytest.raises(ValueError, match="made with .*num_episodes': 1.* not .*num_episodes': 2"):
+    with pytest.raises(ConfigError, match="made with .*num_episodes': 1.* not .*num_episodes': 2"):
         generate_dataset(root, num_episodes=2)
 
     foreign = tmp_path / "not_a_dataset"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match=r"holds \['notes.txt'\].*refusing to delete it"):
+    with pytest.raises(ConfigError, match=r"holds \['notes.txt'\].*refusing to delete it"):
         generate_dataset(foreign, num_episodes=1)
     assert (foreign / "notes.txt").read_text() == "keep me"
 
@@ -121,13 +122,13 @@ def test_image_dataset_records_the_top_camera(image_dataset: tuple[Path, dict]) 
 
 
 def test_invalid_arguments_are_reported(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="seed_start=100000 must be in"):
+    with pytest.raises(ConfigError, match="seed_start=100000 must be in"):
         generate_dataset(tmp_path / "a", num_episodes=1, seed_start=100_000)
-    with pytest.raises(ValueError, match=r"image_size=\(47, 64\) must be \(height, width\) with even sizes"):
+    with pytest.raises(ConfigError, match=r"image_size=\(47, 64\) must be \(height, width\) with even sizes"):
         generate_dataset(tmp_path / "b", num_episodes=1, image_size=(47, 64))
-    with pytest.raises(ValueError, match="outside the scene's offscreen buffer"):
+    with pytest.raises(ConfigError, match="outside the scene's offscreen buffer"):
         generate_dataset(tmp_path / "c", num_episodes=1, image_size=(960, 1280))
-    with pytest.raises(ValueError, match="num_episodes=0 must be >= 1"):
+    with pytest.raises(ConfigError, match="num_episodes=0 must be >= 1"):
         generate_dataset(tmp_path / "d", num_episodes=0)
     assert not any((tmp_path / name).exists() for name in "abcd")
 

@@ -16,6 +16,7 @@ from lerobot_mg.config.validate import validate
 from lerobot_mg.distributed.accelerator import build_accelerator, prepare_units
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, plan_units
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.optim import make_optimizer
 from lerobot_mg.policies import ACTConfig, ACTPolicy, DiffusionPolicy
 from lerobot_mg.step import Stepper
@@ -73,7 +74,7 @@ def test_checkpointing_takes_the_declared_blocks_and_compile_the_units() -> None
 
 
 def test_checkpointing_without_blocks_or_units_stops_with_the_thresholds_to_use() -> None:
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         plan_units(Undeclared(), AcceleratorConfig(activation_checkpointing=True), sharded=False)
     assert str(error.value).startswith(
         "accelerator.fsdp.wrap_modules=None and accelerator.fsdp.min_num_params=None: Undeclared declares no "
@@ -87,7 +88,7 @@ def test_checkpointing_without_blocks_or_units_stops_with_the_thresholds_to_use(
     assert _names(plan_units(Undeclared(), AcceleratorConfig(compile=True), sharded=False).compiled) == [
         "encoder", "head"
     ]
-    with pytest.raises(ValueError, match=r"accelerator.compile=True: Bare has no wrap unit and no submodule"):
+    with pytest.raises(ConfigError, match=r"accelerator.compile=True: Bare has no wrap unit and no submodule"):
         plan_units(type("Bare", (nn.Module,), {})(), AcceleratorConfig(compile=True), sharded=False)
 
 
@@ -97,7 +98,7 @@ def test_compile_without_a_compiler_is_a_config_error(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PATH", "/nonexistent")
     cfg = TrainConfig(policy=ACTConfig(), accelerator=AcceleratorConfig(compile=True, cpu=True))
     cfg.dataset.root = str(PUSHT_SLICE)
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         validate(cfg, world_size=1)
     assert str(error.value) == (
         "accelerator.compile=True: torch.compile's CPU backend (inductor) needs a C++ compiler, and 'g++' is not on "

@@ -18,6 +18,7 @@ from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.config.validate import check_slurm_job, check_sweep_point
 from lerobot_mg.distributed.accelerator import build_accelerator
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.launch.placement import Placement
 from lerobot_mg.launch.preemption import PREEMPTION_RECORD, PreemptionWatch, resume_cause
 from lerobot_mg.launch.run_state import RUN_LOG_FILENAME, attach_run_log, releases_run_state
@@ -68,7 +69,7 @@ def test_gpus_come_from_slurm_gpus_on_node() -> None:
     environ = {**SRUN_TASK, "SLURM_GPUS_ON_NODE": "2", "SLURM_GPUS_PER_NODE": "a100:2"}
     export_torch_distributed_env(environ)
     assert "CUDA_VISIBLE_DEVICES" not in environ  # the task keeps the node's GPUs and takes the LOCAL_RANK-th
-    with pytest.raises(ValueError, match="2 tasks share the 1 GPU"):
+    with pytest.raises(ConfigError, match="2 tasks share the 1 GPU"):
         export_torch_distributed_env({**SRUN_TASK, "SLURM_GPUS_ON_NODE": "1"})
 
 
@@ -84,25 +85,25 @@ def test_slurm_job_ranks_must_match_the_layout() -> None:
     assert check_slurm_job(2, 8, nodes=2, tasks_per_node=8, gpus_per_node=8) == 16
     assert check_slurm_job(1, 2, nodes=1, tasks_per_node=2, gpus_per_node=0) == 2
     assert check_slurm_job(2, -1, nodes=2, tasks_per_node=2, gpus_per_node=0) == 4
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         check_slurm_job(2, 4, nodes=2, tasks_per_node=8, gpus_per_node=8)
     assert str(error.value) == (
         "parallelism={'dp_replicate': 2, 'dp_shard': 4}: dp_replicate x dp_shard = 8 but the SLURM job has "
         "hydra.launcher.nodes x hydra.launcher.tasks_per_node = 2 x 8 = 16 ranks. Fix: hydra.launcher.nodes=1 or "
         "parallelism.dp_shard=8"
     )
-    with pytest.raises(ValueError, match=r"hydra.launcher.tasks_per_node=0: must be >= 1"):
+    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=0: must be >= 1"):
         check_slurm_job(1, 2, nodes=1, tasks_per_node=0, gpus_per_node=0)
-    with pytest.raises(ValueError, match=r"must equal hydra.launcher.gpus_per_node=8: one rank per GPU\. Fix: "
+    with pytest.raises(ConfigError, match=r"must equal hydra.launcher.gpus_per_node=8: one rank per GPU\. Fix: "
                                          r"hydra.launcher.tasks_per_node=8"):
         check_slurm_job(1, 4, nodes=1, tasks_per_node=4, gpus_per_node=8)
 
 
 def test_a_sweep_point_owns_its_directory() -> None:
     check_sweep_point(None, False)
-    with pytest.raises(ValueError, match=r"output_dir='/x': is set in a sweep .* Fix: remove output_dir"):
+    with pytest.raises(ConfigError, match=r"output_dir='/x': is set in a sweep .* Fix: remove output_dir"):
         check_sweep_point("/x", False)
-    with pytest.raises(ValueError, match=r"resume=True: in a sweep"):
+    with pytest.raises(ConfigError, match=r"resume=True: in a sweep"):
         check_sweep_point(None, True)
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from lerobot_mg.distributed.parallel_dims import ParallelDims, Topology
+from lerobot_mg.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_saveable_topology_has_no_ranks() -> None:
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_are_refused() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         ParallelDims.resolve(2, 2, 2)
     message = str(info.value)
     assert message.startswith("parallelism={'dp_replicate': 2, 'dp_shard': 2}: ")
@@ -76,7 +77,7 @@ def test_degrees_that_do_not_multiply_to_the_world_size_are_refused() -> None:
 
 
 def test_shard_over_all_needs_replicas_that_divide_the_world() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         ParallelDims.resolve(3, -1, 4)
     message = str(info.value)
     assert message.startswith("parallelism.dp_replicate=3: does not divide the 4 processes")
@@ -92,7 +93,7 @@ def test_shard_over_all_needs_replicas_that_divide_the_world() -> None:
     ],
 )
 def test_impossible_degrees_are_refused(dp_replicate: int, dp_shard: int, key: str, fix: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         ParallelDims.resolve(dp_replicate, dp_shard, 4)
     assert str(info.value).startswith(key + ": ")
     assert fix in str(info.value)
@@ -100,7 +101,7 @@ def test_impossible_degrees_are_refused(dp_replicate: int, dp_shard: int, key: s
 
 def test_hsdp_that_leaves_one_shard_per_replica_is_refused_not_silently_ddp() -> None:
     # The hsdp preset (dp_replicate=2, dp_shard=-1) on 2 processes would be plain replication.
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         ParallelDims.resolve(2, -1, 2)
     message = str(info.value)
     assert message.startswith("parallelism.dp_shard=-1:") and "not HSDP" in message
