@@ -50,7 +50,7 @@ def test_accelerate_config_variables_are_refused(tmp_path: Path) -> None:
                      env=CONFIG_FILE_ENV, timeout=120, check=False)
     assert proc.returncode != 0
     assert "ACCELERATE_USE_FSDP=true FSDP_SHARDING_STRATEGY=FULL_SHARD: accelerate configuration" in proc.stdout, proc.stdout[-3000:]
-    assert "Either put these settings in parallelism.* / accelerator.* overrides" in proc.stdout
+    assert "Fix: put these settings in parallelism.* / accelerator.* overrides" in proc.stdout
     assert "set LEROBOT_ALLOW_ACCELERATE_ENV=1 to acknowledge the override and proceed anyway" in proc.stdout
     # Refused before anything was set up: no run directory, no banner.
     assert not output_dir.exists()
