@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lerobot_mg import cli
 from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ _PROGRESS_MIN_BYTES = 512 * 2**20
 def read_dcp_metadata(dcp_dir: Path) -> Metadata:
     dcp_dir = Path(dcp_dir)
     if not (dcp_dir / ".metadata").is_file():
-        raise ValueError(f"{dcp_dir} is not a DCP checkpoint directory: it has no .metadata file.")
+        raise ConfigError(f"{dcp_dir} is not a DCP checkpoint directory: it has no .metadata file.")
     return FileSystemReader(str(dcp_dir)).read_metadata()
 
 
@@ -114,7 +115,7 @@ def resolve_pretrained_dir(checkpoint_dir: Path) -> Path:
     """``checkpoints/<step or last>`` or its ``pretrained_model/`` -> the ``pretrained_model/`` directory."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint_dir={str(checkpoint_dir)!r} is not a directory. Fix: "
             "checkpoint_dir=<run>/checkpoints/<step or last>"
         )
@@ -122,7 +123,7 @@ def resolve_pretrained_dir(checkpoint_dir: Path) -> Path:
         return (checkpoint_dir / L.PRETRAINED_MODEL_DIR).resolve()
     if checkpoint_dir.name == L.PRETRAINED_MODEL_DIR or (checkpoint_dir / L.MODEL_DCP_DIR).is_dir():
         return checkpoint_dir.resolve()
-    raise ValueError(
+    raise ConfigError(
         f"checkpoint_dir={str(checkpoint_dir)!r} holds no {L.PRETRAINED_MODEL_DIR}/ directory. Fix: "
         "checkpoint_dir=<run>/checkpoints/<step or last>"
     )
@@ -152,7 +153,7 @@ def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_prog
     pretrained = resolve_pretrained_dir(checkpoint_dir)
     dcp_dir = pretrained / L.MODEL_DCP_DIR
     if not dcp_dir.is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"{pretrained} holds no {L.MODEL_DCP_DIR}/ to convert (the checkpoint was saved with "
             "checkpoint.format=safetensors, or the shards were already merged and deleted). Its "
             f"{merged_file_name(pretrained)} is already loadable."
@@ -160,7 +161,7 @@ def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_prog
     metadata = read_dcp_metadata(dcp_dir)
     non_tensor_keys = sorted(set(metadata.state_dict_metadata) - set(dcp_tensor_specs(metadata)))
     if non_tensor_keys:
-        raise ValueError(
+        raise ConfigError(
             f"{dcp_dir} holds non-tensor entries {non_tensor_keys[:5]}: it is not a weight shard directory "
             f"(optimizer shards live in {L.TRAINING_STATE_DIR}/{L.OPTIMIZER_DCP_DIR}/ and are not converted)."
         )
@@ -193,7 +194,7 @@ def require_hub(repo_id: str) -> None:
     try:
         import huggingface_hub  # noqa: F401
     except ImportError as error:
-        raise ValueError(
+        raise ConfigError(
             f"push_to_hub={repo_id}: huggingface_hub is not installed. Fix: pip install 'lerobot_mg[hub]' "
             "(or drop push_to_hub and upload the directory yourself)"
         ) from error
@@ -206,7 +207,7 @@ def push_to_hub(pretrained_dir: Path, repo_id: str) -> str:
 
     files = hub_upload_files(pretrained_dir)
     if not any(path.suffix == ".safetensors" for path in files):
-        raise ValueError(
+        raise ConfigError(
             f"{pretrained_dir} has no safetensors weights to publish; convert its DCP shards first."
         )
     api = HfApi()
@@ -231,7 +232,7 @@ class ConvertArgs:
 
     def __post_init__(self) -> None:
         if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
-            raise ValueError(f"push_to_hub={self.push_to_hub}: expected a repo id <user>/<repo>. "
+            raise ConfigError(f"push_to_hub={self.push_to_hub}: expected a repo id <user>/<repo>. "
                              "Fix: push_to_hub=${HF_USER}/my_policy")
 
 
