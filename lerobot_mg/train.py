@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
-                                    adapter=AdapterWeights.of(policy))
+                                    adapter=AdapterWeights.of(policy),
+                                    async_save=cfg.checkpoint.async_save)  # collective when async_save
     facts = _run_facts(cfg, dims, dataset, policy, resume, sweep_job)  # collective (bytes per rank); once per start
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: asdict(facts)}
     if dims.is_main_process:
@@ -96,15 +97,18 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         batch = next(batches)
         sampler.advance()
         tracker.step_done(stepper.step(batch), batch["index"])  # collective on log steps
+        checkpoints.poll()  # a background save whose files are all written becomes `last`
         preempted = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
         if _is_save_step(cfg, progress.step, preempted):
             tracker.checkpoint()  # collective: the ledger is on disk up to every checkpoint
             save_items.training_step = _training_step(progress, sampler, facts)
-            checkpoints.save(progress.step, model, optimizer, save_items)  # collective
+            # A preempted job's save must be on disk before it requeues.
+            checkpoints.save(progress.step, model, optimizer, save_items, blocking=preempted)  # collective
         if preempted:
             tracker.close()
             preemption.requeue(output_dir, progress.step)  # does not return; the requeued job resumes from here
 
+    checkpoints.close()  # the last save is on disk and `last` names it before the run reports
     rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
     tracker.close()
     result = {"output_dir": str(output_dir), "progress": asdict(progress), "final_loss": tracker.last_metrics["loss"],

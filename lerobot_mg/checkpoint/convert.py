@@ -233,7 +233,7 @@ class ConvertArgs:
     def __post_init__(self) -> None:
         if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
             raise ConfigError(f"push_to_hub={self.push_to_hub}: expected a repo id <user>/<repo>. "
-                             "Fix: push_to_hub=${HF_USER}/my_policy")
+                              "Fix: push_to_hub=${HF_USER}/my_policy")
 
 
 def run(args: ConvertArgs) -> None:

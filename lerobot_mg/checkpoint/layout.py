@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lerobot_mg.errors import ConfigError
+
 CHECKPOINTS_DIR = "checkpoints"
 LAST_LINK = "last"
 PRETRAINED_MODEL_DIR = "pretrained_model"
@@ -51,7 +53,7 @@ def checkpoint_dir_from_config_path(config_path: Path) -> Path:
     """``.../checkpoints/last/pretrained_model/train_config.json`` -> the (resolved) step directory."""
     config_path = Path(config_path)
     if config_path.name != TRAIN_CONFIG_JSON or config_path.parent.name != PRETRAINED_MODEL_DIR:
-        raise ValueError(
+        raise ConfigError(
             f"config_path={str(config_path)!r}: expected <run>/checkpoints/<step or last>/pretrained_model/"
             f"{TRAIN_CONFIG_JSON}. Fix: config_path=<run>/checkpoints/last/pretrained_model/{TRAIN_CONFIG_JSON}"
         )

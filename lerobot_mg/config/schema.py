@@ -95,6 +95,9 @@ class CheckpointConfig:
     save_freq: int = 1000  # loop steps between checkpoints; the last step is always saved
     save_checkpoint: bool = True
     keep_last: int | None = None  # prune older checkpoints, never the one `last` names
+    # Stage model + optimizer in host memory (one extra copy) and write them in a background thread while
+    # training continues; `last` moves once the write finished. Every format.
+    async_save: bool = False
 
 
 @dataclass

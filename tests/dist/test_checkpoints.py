@@ -1,5 +1,6 @@
 """Checkpoints of real runs: the guide's tree for 1 process, DDP, FSDP2 and HSDP, the DCP converter on real
-shards, and a SIGKILL in the middle of a save.
+shards, a SIGKILL in the middle of a save in every format (and of a background save), and a disk that refuses
+the save.
 
 The reference runs are shared with tests/dist/test_resume.py through ``reference_run`` (each is trained once
 per session and only read afterwards; a test that resumes one works on a copy).
@@ -8,6 +9,7 @@ per session and only read afterwards; a test that resumes one works on a copy).
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -224,13 +226,35 @@ def _wait_until(condition: Callable[[], bool], timeout: float, what: str, proc: 
         time.sleep(0.0005)
 
 
-def test_sigkill_during_save_leaves_last_resumable(tmp_path: Path) -> None:
-    """Kill every process of an FSDP-2 run while a checkpoint's DCP shards are being written."""
+@dataclass(frozen=True)
+class KillDrill:
+    nproc: int
+    overrides: tuple[str, ...]
+    written_first: str  # a glob, under the interrupted step directory, of a file the save writes early
+
+
+KILL_DRILLS = {
+    # The gathered layout on one process: model.safetensors and optimizer_state.safetensors.
+    "safetensors": KillDrill(1, ("checkpoint.format=safetensors", "batch_size=16"), "*/*.safetensors"),
+    # FSDP-2 formats: DCP shards written by every rank (with or without the gathered model.safetensors).
+    "dcp": KillDrill(2, ("checkpoint.format=dcp", "parallelism.dp_shard=2"), "*/*/*.distcp"),
+    "safetensors_dcp": KillDrill(2, ("checkpoint.format=safetensors_dcp", "parallelism.dp_shard=2"), "*/*/*.distcp"),
+    # The background writer: killed while it writes, training having gone on meanwhile.
+    "dcp_async": KillDrill(2, ("checkpoint.format=dcp", "parallelism.dp_shard=2", "checkpoint.async_save=true"),
+                           "*/*/*.distcp"),
+}
+
+
+@pytest.mark.parametrize("drill", list(KILL_DRILLS))
+def test_sigkill_during_save_leaves_last_resumable(drill: str, tmp_path: Path) -> None:
+    """Kill every process of a run while a checkpoint is being written: `last` stays on a complete checkpoint,
+    resume ignores the partial one and the next start removes it."""
+    spec = KILL_DRILLS[drill]
     run_dir = tmp_path / "killed"
     root = L.checkpoints_root(run_dir)
-    cmd = [*launch_command(2, "torchrun"), *TINY_RUN, "steps=2000", "checkpoint.save_freq=1",
-           "checkpoint.keep_last=2", "checkpoint.format=dcp", "parallelism.dp_shard=2", "log_freq=1000",
-           f"output_dir={run_dir}"]
+    cmd = [*launch_command(spec.nproc, "torchrun" if spec.nproc > 1 else "python"), *TINY_RUN, "steps=2000",
+           "checkpoint.save_freq=1", "checkpoint.keep_last=2", "log_freq=1000", f"output_dir={run_dir}",
+           *spec.overrides]
     log_path = tmp_path / "killed.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -239,17 +263,17 @@ def test_sigkill_during_save_leaves_last_resumable(tmp_path: Path) -> None:
         _wait_until(lambda: (root / "last").is_symlink() and int(os.readlink(root / "last")) >= 2, 180,
                     "second checkpoint", proc, log_path)
 
-        def shards_being_written() -> bool:
-            return any(any(tmp.glob("*/*/*.distcp")) for tmp in root.glob(".tmp-0*"))
+        def save_being_written() -> bool:  # the step directory exists, without its completion marker, with data
+            return any(any(tmp.glob(spec.written_first)) for tmp in root.glob(".tmp-0*"))
 
-        _wait_until(shards_being_written, 60, "save in progress", proc, log_path)
-        workers = descendants(proc.pid)
+        _wait_until(save_being_written, 60, "save in progress", proc, log_path)
+        workers = descendants(proc.pid) if spec.nproc > 1 else [proc.pid]
         for pid in workers:  # freeze the ranks first, so the save cannot complete while the tree is killed
             os.kill(pid, signal.SIGSTOP)
         interrupted = sorted(path.name for path in root.glob(".tmp-0*"))
     finally:
         kill_tree(proc)
-    assert len(workers) == 2, workers
+    assert len(workers) == spec.nproc, workers
     _wait_until(lambda: not any(_alive(pid) for pid in workers), 30, "end of the killed ranks", None, log_path)
 
     assert interrupted, "the save completed before the kill: no interrupted checkpoint to test"
@@ -261,13 +285,46 @@ def test_sigkill_during_save_leaves_last_resumable(tmp_path: Path) -> None:
     assert info["step"] == last_step
     assert [d.name for d in L.complete_step_dirs(run_dir)][-1] == last.name
 
-    # Resume on one process (the DCP shards reshard to it) and finish two more steps.
+    # Resume on one process (DCP shards reshard to it) and finish two more steps.
     resumed = run_train(
         ["resume=true", f"config_path={root / 'last' / 'pretrained_model' / 'train_config.json'}",
-         f"steps={last_step + 2}", "parallelism.dp_shard=1", "checkpoint.format=safetensors", "batch_size=16"],
+         f"steps={last_step + 2}", "parallelism.dp_shard=1", "checkpoint.format=safetensors", "batch_size=16",
+         "checkpoint.async_save=false"],
         timeout=120,
     )
     assert f"resumed at loop step {last_step}" in resumed.stdout
+    for name in interrupted:  # the next start removed the partial save and said so
+        assert f"Removing {root / name}: a checkpoint save that never completed" in resumed.stdout
     assert os.readlink(root / "last") == f"{last_step + 2:06d}"
     # keep_last=2 prunes older checkpoints; the interrupted save's leftovers are gone.
     assert sorted(os.listdir(root)) == [f"{last_step + 1:06d}", f"{last_step + 2:06d}", "last"]
+
+
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_disk_that_refuses_the_save_stops_the_run_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A real failed write: the kernel refuses any file past RLIMIT_FSIZE (EFBIG), below the size of
+    model.safetensors and above everything else the run writes. Resumed from step 4, the run's save of step 8 fails;
+    the step-8 checkpoint saved before (`last`) stays whole."""
+    run_dir = copy_run(reference_run(tmp_path_factory, "single"), tmp_path / "full")
+    root = L.checkpoints_root(run_dir)
+    weights = root / "000008" / "pretrained_model" / "model.safetensors"
+    before = {path: path.read_bytes() for path in (root / "000008").rglob("*") if path.is_file()}
+    config = root / "000004" / "pretrained_model" / "train_config.json"
+    cmd = [*launch_command(1, "python"), "resume=true", f"config_path={config}"]
+    proc = subprocess.run(cmd, env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120, preexec_fn=_limit_file_size(weights.stat().st_size // 2))
+    assert proc.returncode != 0
+    assert f"ConfigError: could not write checkpoint {root / '.tmp-000008'}: " in proc.stdout, proc.stdout[-3000:]
+    assert "File too large" in proc.stdout
+    message = proc.stdout.rsplit("ConfigError: ", 1)[1]
+    assert f"bytes on this rank; the previous checkpoint {root / '000008'} is intact. Fix: free space" in message
+    assert os.readlink(root / "last") == "000008"
+    assert {path: path.read_bytes() for path in (root / "000008").rglob("*") if path.is_file()} == before
+    assert not (root / ".tmp-000008").exists()
+    check_resumable(root / "last")

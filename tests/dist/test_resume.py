@@ -18,8 +18,8 @@ from lerobot_mg.accounting.ledger import read_ledger
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
 from lerobot_mg.checkpoint.state import read_json
-from tests.dist.test_checkpoints import REFERENCE_RUNS, copy_run, reference_run
-from tests.launch_utils import run_train
+from tests.dist.test_checkpoints import REFERENCE_RUNS, SAVE_FREQ, copy_run, reference_run
+from tests.launch_utils import TINY_RUN, run_train
 from tests.tolerances import assert_same_series
 
 pytestmark = pytest.mark.dist
@@ -123,6 +123,50 @@ def test_resume_is_bit_exact_on_the_same_topology(name: str, tmp_path: Path,
     assert read_ledger(resumed).segments[-1].start.progress.step == RESUME_STEP
 
 
+def assert_same_checkpoint(actual_dir: Path, expected_dir: Path) -> None:
+    """Bit-identical weights, optimizer state, RNG streams, progress and schedules."""
+    assert read_json(actual_dir / "training_state" / "training_step.json")["progress"] == (
+        read_json(expected_dir / "training_state" / "training_step.json")["progress"]
+    )
+    for weights in ("pretrained_model/model.safetensors", "training_state/rng_state.safetensors"):
+        if (expected_dir / weights).exists():
+            assert_tensors_equal(load_file(str(actual_dir / weights)), load_file(str(expected_dir / weights)), weights)
+    assert_tensors_equal(optimizer_tensors(actual_dir), optimizer_tensors(expected_dir), "optimizer state")
+    for sidecar in ("optimizer_param_groups.json", "scheduler_state.json", "scaler_state.json"):
+        if (expected_dir / "training_state" / sidecar).exists():
+            assert read_json(actual_dir / "training_state" / sidecar) == read_json(
+                expected_dir / "training_state" / sidecar
+            )
+    if (expected_dir / "pretrained_model" / "pytorch_model_fsdp_0").is_dir():
+        assert_tensors_equal(read_dcp_tensors(actual_dir / "pretrained_model" / "pytorch_model_fsdp_0"),
+                             read_dcp_tensors(expected_dir / "pretrained_model" / "pytorch_model_fsdp_0"), "DCP weights")
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp2"])
+def test_async_saves_are_bit_identical_and_resume_bit_exact(name: str, tmp_path: Path,
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """checkpoint.async_save=true: every checkpoint equals the synchronous reference run's (the staged copy is the
+    state of its step, although training went on while it was written), and a resume from the one before the last,
+    saving asynchronously again, lands bit-identical on the reference's final checkpoint."""
+    spec = REFERENCE_RUNS[name]
+    reference = reference_run(tmp_path_factory, name)
+    run_dir = tmp_path / "async"
+    straight = run_train(
+        [*TINY_RUN, f"steps={spec.steps}", f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=2", f"output_dir={run_dir}",
+         *spec.overrides, "checkpoint.async_save=true"], nproc=spec.nproc, timeout=240)
+    assert "MiB staged in host memory" in straight.stdout  # the per-checkpoint log line: bytes, seconds, blocked
+    saved = sorted(os.listdir(L.checkpoints_root(reference)))
+    assert sorted(os.listdir(L.checkpoints_root(run_dir))) == saved
+    for step in saved[:-1]:
+        assert_same_checkpoint(L.checkpoints_root(run_dir) / step, L.checkpoints_root(reference) / step)
+
+    before_last = int(saved[-3])
+    run_train([*resume_args(run_dir, before_last), "checkpoint.async_save=true"], nproc=spec.nproc, timeout=240)
+    final = L.step_dir_name(spec.steps)
+    assert_same_checkpoint(L.checkpoints_root(run_dir) / final, L.checkpoints_root(reference) / final)
+    assert update_digests(run_dir, before_last) == update_digests(reference, before_last)
+
+
 def _norm(tensors: dict[str, torch.Tensor]) -> float:
     return float(sum((tensor.double() ** 2).sum() for tensor in tensors.values()) ** 0.5)
 
@@ -196,18 +240,46 @@ def test_resharding_fsdp_hsdp_single_and_back(tmp_path: Path, tmp_path_factory: 
     assert_tensors_equal(merged, gathered, "merged HSDP shards")
 
 
-def test_resume_refuses_a_checkpoint_with_missing_shards(tmp_path: Path,
-                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The error names the file and the remedy, and comes before any training."""
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(int(path.stat().st_size * keep))
+
+
+def _drop_progress_key(path: Path) -> None:
+    info = json.loads(path.read_text())
+    del info["sampler"]
+    path.write_text(json.dumps(info))
+
+
+# (what breaks the step-4 checkpoint, the file the error must name (relative to it), the message after the name)
+CORRUPTIONS = {
+    "missing_dcp_shard": (lambda p: p.unlink(), "training_state/optimizer_0", "__1_0.distcp",
+                          "has unusable shard file(s) ['__1_0.distcp (missing)']"),
+    "truncated_dcp_shard": (_truncate, "training_state/optimizer_0", "__0_0.distcp",
+                            "has unusable shard file(s) ['__0_0.distcp (truncated: "),
+    "truncated_model_safetensors": (_truncate, "pretrained_model/model.safetensors", None, "is truncated: "),
+    "training_step_missing_keys": (_drop_progress_key, "training_state/training_step.json", None,
+                                   "lacks the key(s) ['sampler'] a resume reads"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_resume_refuses_a_corrupt_checkpoint(corruption: str, tmp_path: Path,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The error names the file and the remedy, and comes before any training (nothing reaches the ledger)."""
+    breaks, named, member, message = CORRUPTIONS[corruption]
     run_dir = copy_run(reference_run(tmp_path_factory, "fsdp2"), tmp_path / "broken")
-    optimizer_dir = L.checkpoints_root(run_dir) / "000004" / "training_state" / "optimizer_0"
-    (optimizer_dir / "__1_0.distcp").unlink()
+    if corruption == "truncated_model_safetensors":  # resume from the gathered file alone
+        shutil.rmtree(L.checkpoints_root(run_dir) / "000004" / "pretrained_model" / "pytorch_model_fsdp_0")
+    named_path = L.checkpoints_root(run_dir) / "000004" / named
+    breaks(named_path / member if member else named_path)
     ledger_before = (run_dir / "ledger.jsonl").read_text()
 
     proc = run_train([*resume_args(run_dir, 4), "parallelism.dp_shard=1", "checkpoint.format=safetensors"],
                      timeout=120, check=False)
     assert proc.returncode != 0
-    assert f"ValueError: {optimizer_dir} is missing shard file(s) ['__1_0.distcp']. Fix: restore them" in proc.stdout
+    assert f"ConfigError: {named_path} {message}" in proc.stdout, proc.stdout[-3000:]
+    assert "Fix: " in proc.stdout.rsplit("ConfigError: ", 1)[1]
     assert (run_dir / "ledger.jsonl").read_text() == ledger_before  # nothing ran
 
 
@@ -224,7 +296,7 @@ def test_resume_refuses_a_gathered_optimizer_state_of_a_sharded_run(
     proc = run_train([*resume_args(run_dir, 4), "parallelism.dp_shard=1", "checkpoint.format=safetensors"],
                      timeout=120, check=False)
     assert proc.returncode != 0
-    assert (f"ValueError: {training_state / 'optimizer_state.safetensors'} is a gathered full optimizer state of a "
+    assert (f"ConfigError: {training_state / 'optimizer_state.safetensors'} is a gathered full optimizer state of a "
             "sharded run") in proc.stdout
     assert "Fix: start a new run from the weights" in proc.stdout
     assert json.loads((run_dir / "ledger.jsonl").read_text().splitlines()[-1])["kind"] != "resume"

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,10 @@ from lerobot_mg.checkpoint.state import (
     unpack_rank_states,
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
+from lerobot_mg.run_facts import Progress
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -59,7 +62,8 @@ class Run:
 
     def save(self, step: int) -> Path:
         train_one_step(self.policy, self.optimizer)
-        info = {"step": step, "facts": {"topology": {"dp_replicate": 1, "dp_shard": 1, "world_size": 1}}}
+        info = {"step": step, "progress": asdict(Progress(step=step)), "sampler": {"epoch": 0, "position": step},
+                "facts": {"topology": {"dp_replicate": 1, "dp_shard": 1, "world_size": 1}}}
         items = SaveItems(self.policy, None, None, None, None, {"steps": 10}, info)
         return self.manager.save(step, self.policy, self.optimizer, items)
 
@@ -224,11 +228,12 @@ def test_refuses_missing_weight_shards(step_dir: Path) -> None:
     shards = step_dir / "pretrained_model" / "pytorch_model_fsdp_0"
     dcp.save({"w": torch.zeros(3)}, checkpoint_id=shards, no_dist=True)
     (shards / "__0_0.distcp").unlink()
-    with pytest.raises(ValueError, match=r"pytorch_model_fsdp_0 is missing shard file\(s\) \['__0_0.distcp'\]. Fix: "
-                                         r"delete .*pytorch_model_fsdp_0 to resume from .*model.safetensors"):
+    with pytest.raises(ConfigError, match=r"pytorch_model_fsdp_0 has unusable shard file\(s\) \['__0_0.distcp \(missing\)'\]. "
+                                          r"Fix: delete .*pytorch_model_fsdp_0 to resume from .*model.safetensors"):
         check_resumable(step_dir)
     (step_dir / "pretrained_model" / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match=r"Fix: restore the missing shard files; this checkpoint cannot be resumed"):
+    with pytest.raises(ConfigError, match=r"Fix: resume from an earlier complete checkpoint \(config_path=.*\) or restore "
+                                          r"the file from a copy"):
         check_resumable(step_dir)
 
 
@@ -240,8 +245,8 @@ def test_refuses_missing_optimizer_shards(step_dir: Path) -> None:
     dcp.save({"state": {"w": {"exp_avg": torch.zeros(3)}}}, checkpoint_id=shards, no_dist=True)
     check_resumable(step_dir)
     (shards / "__0_0.distcp").unlink()
-    with pytest.raises(ValueError, match=r"optimizer_0 is missing shard file\(s\) \['__0_0.distcp'\]. Fix: restore "
-                                         r"them, or resume from an earlier complete checkpoint"):
+    with pytest.raises(ConfigError, match=r"optimizer_0 has unusable shard file\(s\) \['__0_0.distcp \(missing\)'\]. Fix: "
+                                          r"resume from an earlier complete checkpoint"):
         check_resumable(step_dir)
 
 
