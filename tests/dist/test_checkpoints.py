@@ -233,13 +233,12 @@ class KillDrill:
     written_first: str  # a glob, under the interrupted step directory, of a file the save writes early
 
 
-KILL_DRILLS = {
+KILL_DRILLS = {  # every format once; the dcp format is killed while the background writer writes it
     # The gathered layout on one process: model.safetensors and optimizer_state.safetensors.
     "safetensors": KillDrill(1, ("checkpoint.format=safetensors", "batch_size=16"), "*/*.safetensors"),
-    # FSDP-2 formats: DCP shards written by every rank (with or without the gathered model.safetensors).
-    "dcp": KillDrill(2, ("checkpoint.format=dcp", "parallelism.dp_shard=2"), "*/*/*.distcp"),
+    # FSDP-2: DCP shards written by every rank, and the gathered model.safetensors.
     "safetensors_dcp": KillDrill(2, ("checkpoint.format=safetensors_dcp", "parallelism.dp_shard=2"), "*/*/*.distcp"),
-    # The background writer: killed while it writes, training having gone on meanwhile.
+    # FSDP-2, asynchronous: killed while the background writer writes the shards, training having gone on meanwhile.
     "dcp_async": KillDrill(2, ("checkpoint.format=dcp", "parallelism.dp_shard=2", "checkpoint.async_save=true"),
                            "*/*/*.distcp"),
 }

@@ -7,6 +7,7 @@ Resumes run on copies of the reference runs of tests/dist/test_checkpoints.py (t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -245,21 +246,12 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
         f.truncate(int(path.stat().st_size * keep))
 
 
-def _drop_progress_key(path: Path) -> None:
-    info = json.loads(path.read_text())
-    del info["sampler"]
-    path.write_text(json.dumps(info))
-
-
-# (what breaks the step-4 checkpoint, the file the error must name (relative to it), the message after the name)
+# (what breaks the step-4 checkpoint, the file the error must name (relative to it), the message after the name).
+# Truncated shards and training_step.json with missing keys: tests/unit/test_checkpoint_io.py (the same check).
 CORRUPTIONS = {
     "missing_dcp_shard": (lambda p: p.unlink(), "training_state/optimizer_0", "__1_0.distcp",
                           "has unusable shard file(s) ['__1_0.distcp (missing)']"),
-    "truncated_dcp_shard": (_truncate, "training_state/optimizer_0", "__0_0.distcp",
-                            "has unusable shard file(s) ['__0_0.distcp (truncated: "),
     "truncated_model_safetensors": (_truncate, "pretrained_model/model.safetensors", None, "is truncated: "),
-    "training_step_missing_keys": (_drop_progress_key, "training_state/training_step.json", None,
-                                   "lacks the key(s) ['sampler'] a resume reads"),
 }
 
 
