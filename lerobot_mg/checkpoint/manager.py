@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +137,19 @@ def _disk_error(error: BaseException) -> OSError | None:
     return None
 
 
+def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path))
+
+
+@dataclass
+class _LargeWrite:
+    """One of a save's large writes: the tensors and what writes them (given the staged copy when asynchronous)."""
+
+    state: Any
+    write: Callable[[Any], None]
+    copy: bool = True  # False: tensors made for this save alone (a gathered full state), which need no copy
+
+
 @dataclass
 class _InFlight:
     """A save whose files are still being written (by the background writer, or by this thread)."""
@@ -182,13 +196,13 @@ class CheckpointManager:
     def _remove_partial_saves(self) -> None:
         """A save interrupted by a crash or a kill leaves ``.tmp-<step>``: never a checkpoint (resume only follows
         ``last`` and complete step directories), so the next start deletes it and says so."""
-        for partial in sorted(self.root.glob(f"{L.TMP_PREFIX}*")) if self.root.is_dir() else []:
+        for leftover in sorted(self.root.glob(f"{L.TMP_PREFIX}*")) if self.root.is_dir() else []:
             logger.warning("Removing %s: a checkpoint save that never completed (the run stopped while writing it); "
-                           "`last` names the last complete one.", partial)
-            if partial.is_dir() and not partial.is_symlink():
-                shutil.rmtree(partial, ignore_errors=True)
+                           "`last` names the last complete one.", leftover)
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
             else:
-                partial.unlink(missing_ok=True)
+                leftover.unlink(missing_ok=True)
 
     def _model_state(self, model: nn.Module, full: bool = False) -> dict[str, Any]:
         """The weights a checkpoint holds (adapter keys for PEFT). ``full`` gathers them onto rank 0, on the CPU:
@@ -200,6 +214,7 @@ class CheckpointManager:
         return self.adapter.to_adapter(state)
 
     def _write_weights(self, policy: nn.Module, pretrained: Path, state: dict[str, Any]) -> None:
+        """model.safetensors + config.json, or the adapter's files."""
         if self.adapter is not None:
             self.adapter.write(pretrained, state)
         else:
@@ -242,53 +257,41 @@ class CheckpointManager:
             (tmp / L.TRAINING_STATE_DIR).mkdir(parents=True)
         _barrier(dims)
         pretrained, training_state = tmp / L.PRETRAINED_MODEL_DIR, tmp / L.TRAINING_STATE_DIR
-        writes: list[Callable[[], None]] = []  # the large files: written here, or by the background writer
-        to_write: list[Any] = []  # what they write, for the free-space check and the staged copy
-
-        def dcp_write(state: dict[str, Any], directory: Path) -> None:
-            to_write.append(state)
-            writes.append(lambda: dcp.save(to_write_staged[id(state)], checkpoint_id=directory,
-                                           process_group=self._group))
-
-        to_write_staged: dict[int, Any] = {}
+        large: list[_LargeWrite] = []
         if dims.is_sharded:
             if self.format in ("dcp", "safetensors_dcp"):
-                dcp_write(self._model_state(model), pretrained / L.MODEL_DCP_DIR)
+                large.append(_LargeWrite(self._model_state(model),
+                                         partial(self._dcp_save, pretrained / L.MODEL_DCP_DIR)))
             if self.format in ("safetensors", "safetensors_dcp"):
                 # The gather is collective; the full (fp32 master) weights land on rank 0 only, as new CPU tensors
-                # that training never touches: they need no staging.
+                # that training never touches: they need no staged copy.
                 full = self._model_state(model, full=True)
                 if main:
-                    to_write.append(full)
-                    to_write_staged[id(full)] = full
-                    writes.append(lambda: self._write_weights(items.policy, pretrained, full))
+                    large.append(_LargeWrite(full, partial(self._write_weights, items.policy, pretrained), copy=False))
             elif main:
                 if self.adapter is not None:  # the converter names the merged file after adapter_config.json
                     self.adapter.write_configs(pretrained)
                 else:
                     items.policy.write_config(pretrained)
-            dcp_write(get_optimizer_state_dict(model, optimizer), training_state / L.OPTIMIZER_DCP_DIR)
+            large.append(_LargeWrite(get_optimizer_state_dict(model, optimizer),
+                                     partial(self._dcp_save, training_state / L.OPTIMIZER_DCP_DIR)))
         else:
             # On every rank: an optimizer that has not stepped yet (say every fp16 update so far overflowed) gets
             # its state created here by a zero-lr step, and DDP replicas must keep identical optimizer states.
             optimizer_state = get_optimizer_state_dict(model, optimizer)
             if main:
-                weights = self._model_state(model)
                 tensors, groups = flatten_optimizer_state(optimizer_state)
                 write_json(training_state / L.OPTIMIZER_PARAM_GROUPS, groups)
-                to_write += [weights, tensors]
-                writes.append(lambda: self._write_weights(items.policy, pretrained, to_write_staged[id(weights)]))
-                writes.append(lambda: save_file(to_write_staged[id(tensors)], str(training_state / L.OPTIMIZER_STATE)))
-        self._check_free_space(tmp, sum(_tensor_bytes(state) for state in to_write))  # collective
+                large += [_LargeWrite(self._model_state(model), partial(self._write_weights, items.policy, pretrained)),
+                          _LargeWrite(tensors, partial(_save_safetensors, training_state / L.OPTIMIZER_STATE))]
+        self._check_free_space(tmp, sum(_tensor_bytes(item.state) for item in large))  # collective
         staged_bytes = 0
-        for state in to_write:
-            if id(state) in to_write_staged:
-                continue
-            if self._stager is not None:  # a copy: training goes on changing the originals meanwhile
-                to_write_staged[id(state)] = self._stager.stage(state)
-                staged_bytes += _tensor_bytes(state)
-            else:
-                to_write_staged[id(state)] = state
+        if self._stager is not None:  # a copy: training goes on changing the originals while the copy is written
+            for item in large:
+                if item.copy:
+                    item.state = self._stager.stage(item.state)
+                    staged_bytes += _tensor_bytes(item.state)
+        writes = [partial(item.write, item.state) for item in large]
 
         in_flight = _InFlight(step, tmp, dict(items.training_step), started, 0.0, staged_bytes, None)
         if self._writer is None:
@@ -317,6 +320,10 @@ class CheckpointManager:
             self.wait()
             _barrier(dims)
         return self.root / name
+
+    def _dcp_save(self, directory: Path, state: dict[str, Any]) -> None:
+        """Collective over this rank's DCP group (the side group when asynchronous)."""
+        dcp.save(state, checkpoint_id=directory, process_group=self._group)
 
     def _write(self, writes: list[Callable[[], None]], tmp: Path) -> None:
         """Run the large writes (here, or on the background writer)."""
