@@ -47,6 +47,7 @@ def train() -> None:
     def _main(composed: DictConfig) -> dict:
         from hydra.types import RunMode
 
+        from lerobot_mg.distributed.faults import report_failure
         from lerobot_mg.launch.sweep import prepare_sweep_job
         from lerobot_mg.train import train as run_training
 
@@ -69,7 +70,10 @@ def train() -> None:
             # User errors (bad config, unusable checkpoint, refused environment) are found before training
             # starts; their message says what to change, a traceback would only bury it.
             if not isinstance(error, ConfigError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
+                # Anything else is a bug or a fault: its traceback, from the rank that raised it, here rather than
+                # through Hydra (which would print it without the rank, behind a HYDRA_FULL_ERROR hint). Exiting
+                # non-zero makes torchrun / accelerate launch stop the other ranks at once.
+                report_failure(error)  # exits 1
             if os.environ.get("RANK", "0") == "0":
                 report_user_error(error)
             raise SystemExit(2) from None

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
+from lerobot_mg.distributed.faults import FaultDrill
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 
 
@@ -39,6 +40,7 @@ class Stepper:
         self.dims = dims
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
+        self.drill = FaultDrill.from_env(dims.rank)  # None unless LEROBOT_MG_FAULT asks this rank to fail
 
     @property
     def lr(self) -> float:
@@ -51,6 +53,8 @@ class Stepper:
         with acc.accumulate(self.model):
             loss, policy_logs = self.model(batch)
             acc.backward(loss)
+            if self.drill is not None:
+                self.drill.after_backward()
             logs.synced = acc.sync_gradients
             if logs.synced:
                 logs.grad_norm = self._finish_gradients()

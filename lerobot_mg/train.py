@@ -22,7 +22,7 @@ from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.env_guard import check_accelerate_env
-from lerobot_mg.distributed.memory import gather_rank_bytes
+from lerobot_mg.distributed.memory import check_fits, gather_rank_bytes, memory_budget, plan_memory
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
 from lerobot_mg.launch.placement import record_placement
 from lerobot_mg.launch.preemption import PreemptionWatch
@@ -48,6 +48,12 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     validate(cfg, world_size)
     resume = _resume_point(cfg)  # before any process group: an unusable checkpoint stops the run here
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
+    memory = plan_memory(cfg, dims)  # from a meta-device policy: no memory, no process group
+    if cfg.plan:
+        if dims.is_main_process:
+            print("\n".join(memory.describe()), flush=True)
+        return {"memory_plan": memory}
+    check_fits(memory, memory_budget(memory.on_device, dims.local_rank))  # refuse a run that cannot fit
 
     set_seed(cfg.seed)  # identical initial weights on every rank (FSDP shards each rank's own copy)
     accelerator = build_accelerator(cfg.accelerator, dims)  # collective

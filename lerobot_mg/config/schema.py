@@ -198,6 +198,9 @@ class TrainConfig:
     log_freq: int = 100
     resume: bool = False
     config_path: str | None = None  # train_config.json of the checkpoint to resume
+    # Print the memory plan of the composed layout (per-rank bytes by component, wrap units, effective batch) and
+    # exit 0, before any process group exists; nothing is trained or written.
+    plan: bool = False
 
 
 def register_configs() -> None:

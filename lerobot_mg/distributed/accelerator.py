@@ -159,7 +159,24 @@ def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Acceler
             f"{dims.world_size}"
         )
     _enable_cpu_fp16(accelerator)
+    if dims.is_distributed:
+        _set_mesh_timeouts(accelerator, timedelta(seconds=acc_cfg.process_group_timeout_s))
     return accelerator
+
+
+def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
+    """Give the device mesh's process groups (HSDP's replicate and shard groups) the run's timeout.
+
+    The mesh creates them with ``new_group(timeout=None)``, which means torch's default (30 minutes on gloo, 10 on
+    NCCL), not the default group's: a rank hung in a shard-group collective would hold its peers for 30 minutes.
+    torch has no public setter; ``_set_pg_timeout`` is what torchtitan uses for the same purpose, and
+    tests/unit/test_accelerate_canary.py pins it. Collective-free: every rank sets its own groups.
+    """
+    mesh = accelerator.torch_device_mesh
+    if mesh is None:
+        return
+    for group in {*mesh.get_all_groups(), dist.group.WORLD}:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def prepare_units(

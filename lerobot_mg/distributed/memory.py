@@ -1,12 +1,57 @@
-"""Bytes each rank holds for training: its parameter shards, their gradients and its optimizer state."""
+"""Bytes each rank holds for training: its parameter shards, their gradients and its optimizer state.
+
+Two sides of one account. :func:`rank_bytes` measures them on a prepared model (``rank_bytes.json`` at the end of a
+run); :func:`plan_memory` predicts them before anything exists, from a parameter-less (meta-device) copy of the
+policy and the layout, so a run that cannot fit is refused at start-up (:func:`check_fits`) and ``plan=true``
+prints the plan and exits.
+
+What the plan counts, per rank, as the trainer builds it:
+
+- parameters: under FSDP2/HSDP every parameter outside ``accelerator.fsdp.ignored_modules`` is split along its
+  first dimension over the ``dp_shard`` ranks of its shard group (``torch.chunk``: the first ranks get
+  ``ceil(rows / dp_shard)`` rows, the last may get fewer); DDP and one process hold every parameter whole. Mixed
+  precision on a sharded run keeps fp32 master copies of the trainable parameters (``_upcast_trainable``);
+- gradients: one per trainable element, in the parameter's dtype (what backward allocates);
+- optimizer state: AdamW's two moments per trainable element, plus its 4-byte step counter per parameter.
+
+Mixed precision does not shrink any of the three (the master weights, their gradients and the moments stay fp32);
+it shrinks activations and the gathered copy of a unit during its forward, which this account leaves out.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
+
+ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, each the size of its parameter
+ADAMW_STEP_BYTES = 4  # AdamW's per-parameter step counter: a float32 scalar tensor
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What one rank holds for training, in bytes."""
+
+    parameters: int  # frozen and trainable
+    trainable_parameters: int
+    optimizer_state: int
+    gradients: int = 0
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        # One trainable element, one gradient element of the same dtype (as backward allocates them).
+        object.__setattr__(self, "gradients", self.trainable_parameters)
+        object.__setattr__(self, "total", self.parameters + self.gradients + self.optimizer_state)
 
 
 def _local_bytes(tensor: Tensor) -> int:
@@ -15,22 +60,20 @@ def _local_bytes(tensor: Tensor) -> int:
 
 
 def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """This rank's parameter bytes (frozen and trainable), gradient bytes (one per trainable element, in the
-    parameter's dtype, as backward allocates them) and optimizer-state bytes (after the first update)."""
+    """This rank's parameter bytes (frozen and trainable), gradient bytes and optimizer-state bytes (after the
+    first update), measured on the prepared model: a dict of :class:`RankBytes` fields."""
     params = list(model.parameters())
-    held = {
-        "parameters": sum(_local_bytes(p) for p in params),
-        "trainable_parameters": sum(_local_bytes(p) for p in params if p.requires_grad),
-        "optimizer_state": 0,
-    }
+    optimizer_state = 0
     if optimizer is not None:
-        held["optimizer_state"] = sum(
+        optimizer_state = sum(
             _local_bytes(value) for state in optimizer.state.values() for value in state.values()
             if isinstance(value, Tensor)
         )
-    held["gradients"] = held["trainable_parameters"]
-    held["total"] = held["parameters"] + held["gradients"] + held["optimizer_state"]
-    return held
+    return asdict(RankBytes(
+        parameters=sum(_local_bytes(p) for p in params),
+        trainable_parameters=sum(_local_bytes(p) for p in params if p.requires_grad),
+        optimizer_state=optimizer_state,
+    ))
 
 
 def gather_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, Any]]:
@@ -41,3 +84,176 @@ def gather_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
+
+
+# --- the plan: the same account before anything exists ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamFact:
+    """What the plan needs of one parameter of the policy."""
+
+    rows: int  # size of the first dimension, the one FSDP2 shards (1 for a scalar)
+    row_numel: int  # elements per row
+    element_size: int
+    trainable: bool
+    sharded: bool  # False for parameters of accelerator.fsdp.ignored_modules
+
+
+def param_facts(model: nn.Module, ignored_modules: str | None) -> list[ParamFact]:
+    """One :class:`ParamFact` per parameter of ``model`` (a meta-device copy is enough)."""
+    ignored: set[int] = set()
+    if ignored_modules is not None:  # the same full-path regex accelerate applies (see FSDPConfig.ignored_modules)
+        pattern = re.compile(ignored_modules)
+        for name, module in model.named_modules():
+            if pattern.fullmatch(name):
+                ignored.update(id(p) for p in module.parameters())
+    facts = []
+    for param in model.parameters():
+        shape = tuple(param.shape) or (1,)
+        facts.append(ParamFact(shape[0], math.prod(shape[1:]), param.element_size(), param.requires_grad,
+                               id(param) not in ignored))
+    return facts
+
+
+def _shard_rows(rows: int, dp_shard: int, shard_index: int) -> int:
+    """Rows of a ``rows``-row parameter on shard ``shard_index`` of ``dp_shard`` (``torch.chunk``, as FSDP2)."""
+    chunk = -(-rows // dp_shard)
+    return max(0, min(chunk, rows - shard_index * chunk))
+
+
+def planned_rank_bytes(facts: list[ParamFact], dp_shard: int, shard_index: int, upcast_trainable: bool) -> RankBytes:
+    """:class:`RankBytes` of the rank at ``shard_index`` of a shard group of ``dp_shard`` ranks (1: unsharded)."""
+    parameters = trainable = moments = 0
+    for fact in facts:
+        rows = _shard_rows(fact.rows, dp_shard, shard_index) if fact.sharded and dp_shard > 1 else fact.rows
+        numel = rows * fact.row_numel
+        size = 4 if fact.trainable and upcast_trainable else fact.element_size
+        parameters += numel * size
+        if fact.trainable:
+            trainable += numel * size
+            moments += ADAMW_MOMENTS * numel * size + ADAMW_STEP_BYTES
+    return RankBytes(parameters=parameters, trainable_parameters=trainable, optimizer_state=moments)
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """A layout of the same world size and what its busiest rank holds where."""
+
+    dp_replicate: int
+    dp_shard: int
+    cpu_offload: bool
+    per_rank: RankBytes
+
+    def override(self) -> str:
+        return (f"parallelism.dp_replicate={self.dp_replicate} parallelism.dp_shard={self.dp_shard}"
+                + (" accelerator.fsdp.cpu_offload=true" if self.cpu_offload else ""))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory the state of this node's ranks must fit in."""
+
+    free_bytes: int
+    what: str  # e.g. "free memory of cuda:0", "available host RAM"
+    ranks_sharing: int  # ranks of this node that draw on it (host RAM: every local rank; a GPU: one)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank bytes of the composed layout, and what else the plan=true printout reports."""
+
+    topology: Topology
+    per_rank: tuple[RankBytes, ...]  # rank order
+    gpu: bool  # the run trains on GPUs
+    cpu_offload: bool  # accelerator.fsdp.cpu_offload on a sharded run: the state lives in host RAM
+    units: tuple[str, ...]  # FSDP wrap units (or per-unit transforms' units), bottom-up
+    unit_rule: str
+    batch: BatchArithmetic
+    facts: tuple[ParamFact, ...]
+    upcast_trainable: bool
+
+    @property
+    def on_device(self) -> bool:
+        """The state lives in GPU memory (else in host RAM)."""
+        return self.gpu and not self.cpu_offload
+
+    @property
+    def busiest(self) -> RankBytes:
+        return max(self.per_rank, key=lambda held: held.total)
+
+    def options(self) -> list[LayoutOption]:
+        """Every (dp_replicate, dp_shard) of this world size, and on a GPU each also with cpu_offload."""
+        world = self.topology.world_size
+        options = []
+        for dp_shard in (d for d in range(1, world + 1) if world % d == 0):
+            held = max((planned_rank_bytes(list(self.facts), dp_shard, s, self.upcast_trainable and dp_shard > 1)
+                        for s in range(dp_shard)), key=lambda h: h.total)
+            options.append(LayoutOption(world // dp_shard, dp_shard, False, held))
+            if self.gpu and dp_shard > 1:  # FSDP2 offloads sharded state only
+                options.append(LayoutOption(world // dp_shard, dp_shard, True, held))
+        return options
+
+    def describe(self) -> list[str]:
+        mib = 2**20
+        where = "device" if self.on_device else "host RAM"
+        lines = [f"memory plan: {self.topology.describe()}; {self.batch.describe()}",
+                 f"  wrap units ({self.unit_rule}): {len(self.units)}" + (f", e.g. {self.units[-1]}" if self.units
+                                                                            else "")]
+        lines += [f"  rank {rank} ({where}): parameters {held.parameters / mib:.3f} MiB (trainable "
+                  f"{held.trainable_parameters / mib:.3f}) + gradients {held.gradients / mib:.3f} + optimizer state "
+                  f"{held.optimizer_state / mib:.3f} = {held.total / mib:.3f} MiB"
+                  for rank, held in enumerate(self.per_rank)]
+        return lines
+
+
+def plan_memory(cfg: Any, dims: ParallelDims) -> MemoryPlan:
+    """The plan of ``cfg`` (a TrainConfig) on the layout ``dims``: builds the policy on the meta device (no memory,
+    no process group) from the dataset's meta/info.json."""
+    from lerobot_mg.distributed.accelerator import use_cpu
+    from lerobot_mg.distributed.wrap import plan_units
+    from lerobot_mg.peft.build import build_policy
+
+    features = json.loads((Path(cfg.dataset.root) / "meta" / "info.json").read_text())["features"]
+    with torch.device("meta"):
+        policy = build_policy(cfg, features)
+    acc = cfg.accelerator
+    units = plan_units(policy, acc, dims.is_sharded)
+    upcast = dims.is_sharded and acc.mixed_precision != "no"
+    facts = param_facts(policy, acc.fsdp.ignored_modules if dims.is_sharded else None)
+    per_rank = tuple(planned_rank_bytes(facts, dims.dp_shard, rank % dims.dp_shard, upcast)
+                     for rank in range(dims.world_size))
+    return MemoryPlan(dims.topology, per_rank, not use_cpu(acc), dims.is_sharded and acc.fsdp.cpu_offload, tuple(name for name, _ in units.units), units.rule,
+                      BatchArithmetic(cfg.batch_size, dims.dp_world_size, acc.gradient_accumulation.steps),
+                      tuple(facts), upcast)
+
+
+def memory_budget(on_device: bool, local_rank: int) -> MemoryBudget:
+    """Free device memory of this rank's GPU, or the host RAM available to all of this node's ranks."""
+    if on_device:
+        free, _ = torch.cuda.mem_get_info(local_rank)
+        return MemoryBudget(free, f"free memory of cuda:{local_rank}", 1)
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    return MemoryBudget(available, "available host RAM", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def check_fits(plan: MemoryPlan, budget: MemoryBudget) -> None:
+    """Raise a ConfigError when this node's ranks would hold more than ``budget``, with the layouts that fit."""
+    from lerobot_mg.config.validate import config_error
+
+    need = plan.busiest.total * budget.ranks_sharing
+    if need <= budget.free_bytes:
+        return
+    gib = 2**30
+    fitting = [option for option in plan.options()
+               if (option.cpu_offload and not plan.cpu_offload) or option.per_rank.total * budget.ranks_sharing <= budget.free_bytes]
+    held = plan.busiest
+    problem = (f"each rank holds {held.total / gib:.2f} GiB of training state (parameters {held.parameters / gib:.2f}"
+               f" + gradients {held.gradients / gib:.2f} + optimizer state {held.optimizer_state / gib:.2f}), "
+               f"x {budget.ranks_sharing} rank(s) = {need / gib:.2f} GiB > {budget.what} {budget.free_bytes / gib:.2f}"
+               " GiB; mixed precision would not shrink it (fp32 master weights, gradients and moments)")
+    fix = ("; ".join(f"{o.override()} ({o.per_rank.total / gib:.2f} GiB per rank"
+                     + (", in host RAM" if o.cpu_offload else "") + ")" for o in fitting)
+           or "no layout of this world size fits: more ranks (a larger dp_shard), LoRA (peft=lora) or a smaller policy")
+    raise config_error("parallelism.dp_shard", plan.topology.dp_shard, problem, fix)
