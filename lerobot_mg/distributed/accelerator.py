@@ -169,8 +169,9 @@ def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
 
     The mesh creates them with ``new_group(timeout=None)``, which means torch's default (30 minutes on gloo, 10 on
     NCCL), not the default group's: a rank hung in a shard-group collective would hold its peers for 30 minutes.
-    torch has no public setter; ``_set_pg_timeout`` is what torchtitan uses for the same purpose, and
-    tests/unit/test_accelerate_canary.py pins it. Collective-free: every rank sets its own groups.
+    torch has no public setter; ``_set_pg_timeout`` is what torchtitan uses for the same purpose.
+    tests/dist/test_layouts.py checks every group's timeout on a real HSDP mesh. Not a collective: each rank sets
+    its own groups.
     """
     mesh = accelerator.torch_device_mesh
     if mesh is None:

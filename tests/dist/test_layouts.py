@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from lerobot_mg.config.schema import AcceleratorConfig
 from tests.launch_utils import PUSHT_SLICE, REPO, run_train
 from tests.tolerances import assert_same_series, assert_same_weights, weight_mismatches
 
@@ -188,6 +189,9 @@ open(f"{out_dir}/facts_rank{rank}.json", "w").write(json.dumps({
     "block_units": block_units,
     "fsdp_modules": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
     "params": params,
+    # The timeout of every process group of the mesh (torch creates HSDP's subgroups with its own default).
+    "group_timeouts_s": sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                for g in [*mesh.get_all_groups(), torch.distributed.group.WORLD]}),
 }))
 """
 
@@ -241,6 +245,8 @@ def test_hsdp_mesh_is_two_replicas_of_two_shards(tmp_path: Path) -> None:
         assert rank_facts["fsdp_dim_names"] == ["dp_replicate", "dp_shard_cp"]
         assert rank_facts["fsdp_mesh"] == [[0, 1], [2, 3]]  # rows: replicas, columns: shards
         assert {"dp_replicate", "dp_shard"} <= set(rank_facts["mesh_dim_names"])
+        # accelerator.process_group_timeout_s reaches the replicate and shard groups, not only the default group.
+        assert rank_facts["group_timeouts_s"] == [AcceleratorConfig().process_group_timeout_s]
 
     for name, p0 in facts[0]["params"].items():
         assert p0["placements"] == ["Replicate", "Shard(0)"] and p0["mesh_shape"] == [2, 2], (name, p0)
