@@ -77,9 +77,10 @@ class AcceleratorConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cpu: bool = False  # train on the CPU even when a GPU is visible
     # How long a collective waits for the slowest rank before the run fails (torch's default: 30 min on gloo, 10 on
-    # NCCL). It bounds a hung rank; a dead one is noticed sooner (peers' connections drop, and srun
-    # --kill-on-bad-exit / torchrun stop the other ranks). Above the longest legitimate wait: rank 0 writing the
-    # gathered checkpoint while the others wait at the barrier.
+    # NCCL), on every process group of the run (the device mesh's replicate and shard groups too). It bounds a hung
+    # rank; a dead one is noticed sooner (peers' connections drop, and srun --kill-on-bad-exit / torchrun stop the
+    # other ranks). Above the longest legitimate wait: rank 0 writing the gathered checkpoint while the others wait
+    # at the barrier.
     process_group_timeout_s: int = 600
     # Recompute in backward the activations of the policy's declared blocks (_checkpoint_modules), else of its
     # outermost wrap units, instead of keeping them; applied before sharding (FSDP2, HSDP, DDP, one process). A
