@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy),
-                                    async_save=cfg.checkpoint.async_save)  # collective when async_save
+                                    async_save=cfg.checkpoint.async_save,  # collective when async_save
+                                    group_timeout=timedelta(seconds=cfg.accelerator.process_group_timeout_s))
     facts = _run_facts(cfg, dims, dataset, policy, resume, sweep_job)  # collective (bytes per rank); once per start
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: asdict(facts)}
     if dims.is_main_process:

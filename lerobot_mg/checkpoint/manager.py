@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,7 +178,8 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path, checkpoint_format: str, keep_last: int | None, dims: ParallelDims,
-                 adapter: AdapterWeights | None = None, async_save: bool = False):
+                 adapter: AdapterWeights | None = None, async_save: bool = False,
+                 group_timeout: timedelta | None = None):
         self.root = L.checkpoints_root(output_dir)
         self.format = checkpoint_format
         self.keep_last = keep_last
@@ -186,7 +188,10 @@ class CheckpointManager:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if async_save else None
         # Staging buffers are reused from one save to the next: one copy of the state, not one per save.
         self._stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
-        self._group = dist.new_group(backend="gloo") if async_save and dims.is_distributed else None
+        # The run's timeout, as every other group has (None would be torch's 30-minute gloo default, holding the
+        # peers of a dead rank that long).
+        self._group = (dist.new_group(backend="gloo", timeout=group_timeout)
+                       if async_save and dims.is_distributed else None)
         self._in_flight: _InFlight | None = None
         self._needed_bytes = 0  # what the save being written needs on this rank (its tensors' bytes)
         self.saved: list[dict[str, Any]] = []  # one record per finished checkpoint: step, bytes, seconds
