@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,13 @@ class StepLogs:
     lr: float = math.nan  # the learning rate this step's update used (before the scheduler stepped)
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collection[str] = ()) -> dict[str, Any]:
+    """The batch on ``device``; ``uint8_keys`` (images that crossed the DataLoader's pipes as uint8, a quarter of the
+    bytes of float32) become float32 in [0, 1] there, as the policy expects them."""
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    for key in uint8_keys:
+        out[key] = out[key].float().div_(255.0)
+    return out
 
 
 class Stepper:
@@ -33,11 +39,12 @@ class Stepper:
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, grad_clip_norm: float,
-                 dims: ParallelDims):
+                 dims: ParallelDims, uint8_keys: Collection[str] = ()):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.preprocessor = preprocessor
         self.grad_clip_norm = grad_clip_norm  # optimizer.grad_clip_norm; 0 disables clipping
         self.dims = dims
+        self.uint8_keys = tuple(uint8_keys)  # see to_device
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
         self.drill = FaultDrill.from_env(dims.rank)  # None unless LEROBOT_MG_FAULT asks this rank to fail
@@ -48,7 +55,7 @@ class Stepper:
 
     def step(self, batch: dict[str, Any]) -> StepLogs:
         acc = self.accelerator
-        batch = self.preprocessor(to_device(batch, acc.device))
+        batch = self.preprocessor(to_device(batch, acc.device, self.uint8_keys))
         logs = StepLogs()
         with acc.accumulate(self.model):
             loss, policy_logs = self.model(batch)

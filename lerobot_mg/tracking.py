@@ -20,6 +20,7 @@ from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims
 from lerobot_mg.run_facts import Progress, RunFacts
 from lerobot_mg.step import StepLogs
 
+DATA_WAIT_KEY = "data_wait_s"  # seconds the loop waited for batches in a log interval (mean over ranks)
 _DIGEST_BITS = 48  # a float64 holds a sum of two 24-bit halves over up to 2**29 ranks exactly
 
 
@@ -96,16 +97,19 @@ class RunTracker:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
-        self._start = time.perf_counter()
+        self._start = self._interval_start = time.perf_counter()
+        self._interval_steps = 0
 
-    def step_done(self, logs: StepLogs, index_B: torch.Tensor) -> None:
-        """Account for one finished loop step that trained on the samples ``index_B`` (this rank's micro-batch).
-        Collective on log steps: every rank must call it after every loop step."""
+    def step_done(self, logs: StepLogs, index_B: torch.Tensor, data_wait_s: float = 0.0) -> None:
+        """Account for one finished loop step that trained on the samples ``index_B`` (this rank's micro-batch),
+        after waiting ``data_wait_s`` for them. Collective on log steps: every rank must call it after every loop
+        step."""
         p = self.progress
         p.step += 1
         self._lr = logs.lr
         p.samples_seen += self.facts.batch.samples_per_loop_step
-        self.interval.add(logs.losses, len(index_B))
+        self.interval.add({**logs.losses, DATA_WAIT_KEY: data_wait_s}, len(index_B))
+        self._interval_steps += 1
         if self.digests is not None:
             self.digests.add(index_B)
         if logs.synced:
@@ -126,6 +130,11 @@ class RunTracker:
             return
         reduced, summed = self.interval.reduce(self.digests.pack() if self.digests is not None else [])  # collective
         reduced["lr"] = self._lr
+        # The wait per step, averaged over ranks, becomes the interval's total (as LeRobot's data_s) and its share
+        # of the interval's wall time: a loader that cannot keep up shows here first.
+        reduced[DATA_WAIT_KEY] *= self._interval_steps
+        reduced["data_frac"] = reduced[DATA_WAIT_KEY] / max(time.perf_counter() - self._interval_start, 1e-9)
+        self._interval_steps, self._interval_start = 0, time.perf_counter()
         if math.isfinite(self._last_grad_norm):  # the last update's (clipping off: not computed)
             reduced["grad_norm"] = self._last_grad_norm
         updates = self.digests.unpack(summed) if self.digests is not None else ()

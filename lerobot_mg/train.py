@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import config_error, validate
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
+from lerobot_mg.data.loader import one_pass
 from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.env_guard import check_accelerate_env
@@ -33,7 +35,7 @@ from lerobot_mg.launch.sweep import SweepJob
 from lerobot_mg.optim import apply_optimizer_config, describe_schedule, make_optimizer, make_scheduler
 from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
 from lerobot_mg.peft.lora import AdapterWeights
-from lerobot_mg.policies.base import SAMPLE_SEED_KEY, PolicyConfig, delta_timestamps
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY, delta_timestamps
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
 from lerobot_mg.run_facts import CodeRevision, Progress, ResumeCause, RunFacts, from_dict
 from lerobot_mg.step import Stepper
@@ -63,9 +65,13 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     record_placement(accelerator, dims, output_dir)  # collective
     preemption = PreemptionWatch(dims, accelerator.device, cfg.accelerator.gradient_accumulation.steps)
 
-    dataset = LeRobotDataset(cfg.dataset.root, _delta_timestamps(cfg.policy, cfg.dataset.root), cfg.dataset.episodes)
+    info = _dataset_info(cfg.dataset.root)
+    policy = build_policy(cfg, info["features"])  # fresh, the base at policy.path, or that base under LoRA
+    # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
+    dataset = LeRobotDataset(cfg.dataset.root, delta_timestamps(cfg.policy, info["features"], info["fps"]),
+                             cfg.dataset.episodes, keys=[*policy.input_features, *policy.output_features],
+                             uint8_visuals=True)
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size)
-    policy = build_policy(cfg, dataset.features)  # fresh, the base at policy.path, or that base under LoRA
     preprocessor, postprocessor = _processors(cfg, policy, dataset, resume)
     preprocessor = preprocessor.to(accelerator.device)
     # Before the optimizer exists: it must see the sharded parameters of the wrap units.
@@ -97,14 +103,17 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
                          train_config)  # writes the start/resume record
     if dims.is_main_process:
         _print_banner(cfg, facts, dataset, output_dir, progress)
-    stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims)
+    stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
+                      uint8_keys=dataset.visual_keys)
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
 
     while progress.step < cfg.steps:
+        waited_from = time.perf_counter()
         batch = next(batches)
+        data_wait_s = time.perf_counter() - waited_from
         sampler.advance()
-        tracker.step_done(stepper.step(batch), batch["index"])  # collective on log steps
+        tracker.step_done(stepper.step(batch), batch["index"], data_wait_s)  # collective on log steps
         checkpoints.poll()  # a background save whose files are all written becomes `last`
         preempted = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
         if _is_save_step(cfg, progress.step, preempted):
@@ -191,10 +200,9 @@ def _is_save_step(cfg: TrainConfig, step: int, preempted: bool) -> bool:
     return cfg.checkpoint.save_checkpoint and (preempted or step % cfg.checkpoint.save_freq == 0 or step == cfg.steps)
 
 
-def _delta_timestamps(policy: PolicyConfig, root: str) -> dict[str, list[float]]:
-    """The frames each sample holds (the policy's observation history and action chunk), in seconds."""
-    info = json.loads((Path(root) / "meta" / "info.json").read_text())
-    return delta_timestamps(policy, info["features"], info["fps"])
+def _dataset_info(root: str) -> dict[str, Any]:
+    """meta/info.json: the features a policy is built on and the fps its sample offsets are in."""
+    return json.loads((Path(root) / "meta" / "info.json").read_text())
 
 
 def _processors(cfg: TrainConfig, policy: torch.nn.Module, dataset: LeRobotDataset,
@@ -210,16 +218,18 @@ def _batches(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_worker
     """Endless batches, each with its samples' seeds; one DataLoader pass per epoch, starting at the sampler's
     saved position.
 
-    Each pass gets its own generator: a DataLoader otherwise draws its worker seed from the global RNG when
-    its iterator starts, and a resumed run (which starts an iterator mid-epoch) would drift from a straight one.
+    One DataLoader for the whole run: its workers persist from one epoch to the next, with their open video files
+    (a new pass otherwise forks new workers, which reopen every file and leave the loop waiting at each epoch's
+    start). It has a generator of its own: a DataLoader otherwise draws its worker seed from the global RNG when an
+    iterator starts, and a resumed run (which starts one mid-epoch) would drift from a straight one.
     """
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        pin_memory=pin_memory, generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
+    )
     while True:
         epoch = sampler.epoch  # the sampler reads its position when the pass starts, as here
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=False,
-            pin_memory=pin_memory, generator=torch.Generator().manual_seed(sampler.seed * 100_003 + epoch),
-        )
-        for batch in loader:
+        for batch in one_pass(loader):  # a worker that dies is named in the error
             yield {**batch, SAMPLE_SEED_KEY: sample_seeds(sampler.seed, epoch, batch["index"])}
 
 

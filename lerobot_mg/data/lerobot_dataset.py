@@ -12,7 +12,14 @@ Layout (names as in huggingface/lerobot ``src/lerobot/datasets/utils.py``)::
     videos/<key>/chunk-*/file-*.mp4        several episodes per file, one after the other
 
 The numeric columns are read once into numpy arrays; images are decoded per item and video frames
-are decoded per item by seeking (see ``lerobot_mg.data.video`` for the accuracy of video frames).
+are decoded per item by seeking (see ``lerobot_mg.data.video`` for the accuracy of video frames and the seek
+strategy). Only the features asked for (``keys``: in training, the policy's inputs and its action) are read:
+a dataset whose unused cameras were never downloaded trains a policy that does not read them.
+
+Start-up checks, cheap enough for every start (no frame is decoded): every data and video file the selected
+episodes and features need exists, the data files' columns are the features info.json declares, and each video
+holds as many frames as its container header says the episodes need. A broken dataset fails before the first
+step with the file named.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from lerobot_mg.data.video import VideoFrameReader
+from lerobot_mg.data.video import VideoFrameReader, video_frame_count
 from lerobot_mg.errors import ConfigError
 
 CODEBASE_VERSION = "v3.0"
@@ -87,17 +97,30 @@ def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndar
     return array.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
 
 
-def _decode_png(data: bytes) -> torch.Tensor:
+def _decode_png(data: bytes) -> np.ndarray:
+    """uint8 ``(H, W, 3)``."""
     # BytesIO shares the bytes object until written to, so this does not copy the PNG payload.
-    image_HWC = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    return torch.from_numpy(image_HWC.copy()).permute(2, 0, 1).float().div_(255.0)
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def _visual_tensor(frames_THWC: np.ndarray, uint8: bool) -> torch.Tensor:
+    """``(T, C, H, W)``: uint8 as decoded, or float32 in [0, 1]."""
+    frames = torch.from_numpy(np.ascontiguousarray(frames_THWC)).permute(0, 3, 1, 2)
+    # contiguous: a permuted view would cross the worker pipe with the HWC layout and be copied again later.
+    return frames.contiguous() if uint8 else frames.float().div_(255.0)
+
+
+_REDOWNLOAD = ("download the dataset again (e.g. `huggingface-cli download --repo-type dataset <repo_id> "
+               "--local-dir <root>`) or regenerate it")
 
 
 class LeRobotDataset(torch.utils.data.Dataset):
     """Frames of a local LeRobot v3.0 dataset as dicts of tensors.
 
-    ``dataset[i]`` holds every feature: float features as float32 tensors of the feature's shape,
-    images and video frames as float32 ``(C, H, W)`` in [0, 1], ``index``/``episode_index``/
+    ``dataset[i]`` holds the features named in ``keys`` (every feature when None) and the default ones:
+    float features as float32 tensors of the feature's shape, images and video frames as float32
+    ``(C, H, W)`` in [0, 1] (uint8 in 0..255 with ``uint8_visuals``: a quarter of the bytes through the
+    DataLoader's worker pipes, for the device to scale; see ``visuals_to_float``), ``index``/``episode_index``/
     ``frame_index``/``task_index`` as int64 scalars, ``timestamp`` as a float32 scalar and ``task``
     as a string. A key in ``delta_timestamps`` gets a leading time dim: frames at those offsets (in
     seconds, multiples of 1/fps) from the current one, clamped to the episode's first/last frame,
@@ -110,6 +133,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         delta_timestamps: dict[str, list[float]] | None = None,
         episodes: list[int] | None = None,
         tolerance_s: float = 1e-4,
+        keys: Collection[str] | None = None,
+        uint8_visuals: bool = False,
     ) -> None:
         self.root = Path(root)
         info_path = self.root / INFO_PATH
@@ -122,7 +147,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.fps = int(self.info["fps"])
         self.features: dict[str, dict] = self.info["features"]
         self.tolerance_s = tolerance_s
-        self.video_keys = [key for key, ft in self.features.items() if ft["dtype"] == "video"]
+        self.uint8_visuals = uint8_visuals
+        self.read_keys = self._read_keys(keys)
+        self.video_keys = [key for key in self.read_keys if self.features[key]["dtype"] == "video"]
+        self.visual_keys = [key for key in self.read_keys if self.features[key]["dtype"] in ("image", "video")]
         self.stats = self._load_stats()
         self._task_names = self._load_tasks()
         self.delta_indices = self._delta_indices(delta_timestamps or {})
@@ -132,7 +160,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if episodes is not None:
             unknown = sorted(set(episodes) - set(available))
             if unknown:
-                raise ValueError(
+                raise ConfigError(
                     f"episodes={episodes} asks for episodes {unknown}, which {self.root} does not have; "
                     f"it has episodes {available[0]}..{available[-1]} ({len(available)} in all)."
                 )
@@ -141,7 +169,23 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.episode_indices: list[int] = episodes_table.column("episode_index").to_pylist()
         self.num_episodes = len(self.episode_indices)
         self._load_frames(episodes_table)
+        self._check_videos(episodes_table)
         self._video_reader = VideoFrameReader()
+        # Cameras decode in parallel threads (PyAV releases the GIL while it decodes); one thread per camera.
+        self._decode_pool: ThreadPoolExecutor | None = None
+        self._decode_pool_pid = os.getpid()
+
+    def _read_keys(self, keys: Collection[str] | None) -> list[str]:
+        """The features to read, in info.json's order: ``keys`` and the default (index) features."""
+        if keys is None:
+            return list(self.features)
+        unknown = sorted(set(keys) - set(self.features))
+        if unknown:
+            raise ConfigError(
+                f"{self.root / INFO_PATH} has no features {unknown}, which the policy reads; it has "
+                f"{sorted(self.features)}. Fix: policy.observation_keys=[...] naming features of this dataset."
+            )
+        return [key for key in self.features if key in keys or key in DEFAULT_FEATURES]
 
     # ----------------------------------------------------------------------------------- loading
 
@@ -168,17 +212,17 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 tasks = table.column(name).to_pylist()
                 break
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.root / TASKS_PATH} has columns {table.column_names}; expected the task strings in a "
-                "'task' or '__index_level_0__' column next to 'task_index'."
+                "'task' or '__index_level_0__' column next to 'task_index'. Fix: " + _REDOWNLOAD + "."
             )
         return dict(zip(table.column("task_index").to_pylist(), tasks))
 
     def _load_episodes_table(self) -> pa.Table:
         paths = sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
         if not paths:
-            raise ValueError(
-                f"no episodes table under {self.root / EPISODES_DIR}; the dataset is incomplete."
+            raise ConfigError(
+                f"no episodes table under {self.root / EPISODES_DIR}; the dataset is incomplete. Fix: {_REDOWNLOAD}."
             )
         tables = []
         for path in paths:
@@ -198,12 +242,12 @@ class LeRobotDataset(torch.utils.data.Dataset):
             )
         )
         data_template = self.info.get("data_path", DATA_PATH)
+        data_paths = [self.root / data_template.format(chunk_index=chunk, file_index=file) for chunk, file in data_files]
+        columns = self._check_data_files(data_paths)
         wanted = pa.array(self.episode_indices, type=pa.int64())
         tables = []
-        for chunk_index, file_index in data_files:
-            table = pq.read_table(
-                self.root / data_template.format(chunk_index=chunk_index, file_index=file_index)
-            )
+        for path in data_paths:
+            table = pq.read_table(path, columns=columns)  # an unread camera's PNG bytes stay on disk
             tables.append(table.filter(pc.is_in(table.column("episode_index"), value_set=wanted)))
         table = pa.concat_tables(tables, promote_options="permissive")
         table = table.take(pc.sort_indices(table.column("index")))
@@ -212,27 +256,22 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._numeric: dict[str, np.ndarray] = {}
         self._images: dict[str, pa.BinaryArray] = {}
         self._strings: dict[str, list[str]] = {}
-        for key, feature in self.features.items():
-            dtype = feature["dtype"]
-            if dtype == "video":
-                continue
-            if key not in table.column_names:
-                raise ValueError(
-                    f"feature {key!r} of meta/info.json has no column in the data files of {self.root}."
-                )
+        for key in columns:
+            dtype = self.features[key]["dtype"]
             if dtype == "image":
                 images = table.column(key).combine_chunks().field("bytes")
                 if images.null_count:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{self.root}: {images.null_count} frames of image feature {key!r} have no embedded "
-                        "bytes; this reader needs images embedded in the parquet files."
+                        "bytes; this reader needs images embedded in the parquet files. Fix: embed the images "
+                        "(LeRobot's writer does) or leave the feature out of policy.observation_keys."
                     )
                 self._images[key] = images
             elif dtype == "string":
                 self._strings[key] = table.column(key).to_pylist()
             else:
                 # Default features are scalars per frame; others keep their declared shape.
-                shape = () if key in DEFAULT_FEATURES else tuple(feature["shape"])
+                shape = () if key in DEFAULT_FEATURES else tuple(self.features[key]["shape"])
                 self._numeric[key] = _column_to_numpy(table.column(key), shape)
 
         episode_index = self._numeric["episode_index"]
@@ -248,14 +287,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for start, end in zip(starts, ends):
             episode = int(episode_index[start])
             if lengths.get(episode) != end - start:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.root}: episode {episode} has {end - start} frames in the data files but length "
-                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent."
+                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent. Fix: {_REDOWNLOAD}."
                 )
         self._episode_start = np.repeat(starts, ends - starts)
         self._episode_end = np.repeat(ends, ends - starts)
 
-        # Per episode and video key: (mp4 path, the episode's start time inside that file).
+        # Per episode and video key read: (mp4 path, the episode's start time inside that file).
         video_template = self.info.get("video_path") or VIDEO_PATH
         self._video_locations: dict[int, dict[str, tuple[Path, float]]] = {}
         for row in episodes_table.select(
@@ -279,17 +318,60 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 for key in self.video_keys
             }
 
+    def _check_data_files(self, paths: list[Path]) -> list[str]:
+        """The data columns to read; raises unless every file exists with a column per non-video feature of
+        info.json and no other (from the parquet footers: nothing is read)."""
+        expected = {key for key, ft in self.features.items() if ft["dtype"] != "video"}
+        for path in paths:
+            if not path.is_file():
+                raise ConfigError(
+                    f"{path} does not exist, but the episodes table of {self.root} places frames in it. "
+                    f"Fix: {_REDOWNLOAD}."
+                )
+            names = set(pq.read_schema(path).names) - {"__index_level_0__"}  # a pandas index is not a feature
+            missing, extra = sorted(expected - names), sorted(names - expected)
+            if missing or extra:
+                raise ConfigError(
+                    f"{path} disagrees with {self.root / INFO_PATH}: features without a column {missing}, columns "
+                    f"without a feature {extra}. The metadata belongs to another revision of the dataset. "
+                    f"Fix: {_REDOWNLOAD}."
+                )
+        return [key for key in self.read_keys if key in expected]
+
+    def _check_videos(self, episodes_table: pa.Table) -> None:
+        """Every video file read exists and holds the frames the episodes table places in it (from its header)."""
+        needed: dict[Path, tuple[float, int]] = {}  # path -> (end time in the file, the episode that ends there)
+        for row in episodes_table.select(["episode_index", "length"]).to_pylist():
+            for path, from_timestamp in self._video_locations[row["episode_index"]].values():
+                end_s = from_timestamp + row["length"] / self.fps
+                if end_s > needed.get(path, (-1.0, 0))[0]:
+                    needed[path] = (end_s, row["episode_index"])
+        for path, (end_s, episode) in needed.items():
+            if not path.is_file():
+                raise ConfigError(
+                    f"{path} does not exist, but the policy reads its camera. Fix: {_REDOWNLOAD}, or leave the "
+                    "camera out of policy.observation_keys."
+                )
+            frames_needed = round(end_s * self.fps)
+            frames = video_frame_count(path, self.fps)
+            if frames < frames_needed:
+                raise ConfigError(
+                    f"{path} holds {frames} frames but episode {episode} ends at {end_s:.3f}s in it "
+                    f"({frames_needed} frames at {self.fps} fps): the video is truncated or belongs to another "
+                    f"revision of the dataset. Fix: {_REDOWNLOAD}."
+                )
+
     def _delta_indices(self, delta_timestamps: dict[str, list[float]]) -> dict[str, np.ndarray]:
         """Frame offsets per key; each delta must be a multiple of 1/fps within ``tolerance_s``."""
         delta_indices: dict[str, np.ndarray] = {}
         for key, deltas in delta_timestamps.items():
             if key not in self.features or key in DEFAULT_FEATURES:
-                raise ValueError(
+                raise ConfigError(
                     f"delta_timestamps has key {key!r}, which is not a feature of {self.root}; use one of "
                     f"{[k for k in self.features if k not in DEFAULT_FEATURES]}."
                 )
             if len(deltas) == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"delta_timestamps[{key!r}] is empty; give at least one offset (e.g. [0.0])."
                 )
             offsets = np.asarray(deltas, dtype=np.float64) * self.fps
@@ -297,7 +379,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             off_grid = np.abs(offsets - rounded) / self.fps > self.tolerance_s
             if off_grid.any():
                 bad = [deltas[i] for i in np.flatnonzero(off_grid)]
-                raise ValueError(
+                raise ConfigError(
                     f"delta_timestamps[{key!r}] has {bad}, which are not multiples of 1/fps = {1 / self.fps:.6f}s "
                     f"(fps={self.fps}) within tolerance_s={self.tolerance_s}; use k/{self.fps} for integer k."
                 )
@@ -327,20 +409,30 @@ class LeRobotDataset(torch.utils.data.Dataset):
             item[key] = values[idx]
         for key, images in self._images.items():
             rows = rows_by_key.get(key)
-            if rows is None:
-                item[key] = _decode_png(images[idx].as_py())
-            else:
-                item[key] = torch.stack([_decode_png(images[int(row)].as_py()) for row in rows])
+            frame_rows = np.atleast_1d(idx if rows is None else rows)
+            frames = _visual_tensor(np.stack([_decode_png(images[int(row)].as_py()) for row in frame_rows]),
+                                    self.uint8_visuals)
+            item[key] = frames[0] if rows is None else frames
         if self.video_keys:
             locations = self._video_locations[int(self._numeric["episode_index"][idx])]
-            for key in self.video_keys:
+
+            def decode(key: str) -> torch.Tensor:
                 rows = rows_by_key.get(key)
                 frame_rows = np.atleast_1d(idx if rows is None else rows)
                 path, from_timestamp = locations[key]
                 timestamps = [from_timestamp + float(t) for t in self._numeric["timestamp"][frame_rows]]
-                frames_THWC = self._video_reader.decode(path, timestamps, self.tolerance_s)
-                frames = torch.from_numpy(frames_THWC).permute(0, 3, 1, 2).float().div_(255.0)
-                item[key] = frames[0] if rows is None else frames
+                frames = _visual_tensor(self._video_reader.decode(path, timestamps, self.tolerance_s),
+                                        self.uint8_visuals)
+                return frames[0] if rows is None else frames
+
+            if len(self.video_keys) == 1:
+                item[self.video_keys[0]] = decode(self.video_keys[0])
+            else:
+                if self._decode_pool is None or self._decode_pool_pid != os.getpid():
+                    # A forked worker inherits the parent's pool object but none of its threads: make its own.
+                    self._decode_pool = ThreadPoolExecutor(len(self.video_keys), thread_name_prefix="decode")
+                    self._decode_pool_pid = os.getpid()
+                item.update(zip(self.video_keys, self._decode_pool.map(decode, self.video_keys)))
         item["task"] = self._task_names[int(self._numeric["task_index"][idx])]
         return item
 
@@ -364,4 +456,5 @@ class LeRobotDataset(torch.utils.data.Dataset):
         # Open video containers cannot cross a process boundary (DataLoader workers under spawn).
         state = self.__dict__.copy()
         state["_video_reader"] = VideoFrameReader()
+        state["_decode_pool"] = None  # threads do not cross a process boundary either
         return state

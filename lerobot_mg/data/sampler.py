@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from lerobot_mg.errors import ConfigError
+
 
 def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
     """One int64 seed per sample presentation, from (run seed, epoch, dataset index) only.
@@ -49,16 +51,17 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         shuffle: bool = True,
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1.")
+            raise ConfigError(f"batch_size={batch_size!r}: must be at least 1. Fix: batch_size=8")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"rank={rank} and world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size."
             )
         global_batch_size = batch_size * world_size
         if num_samples < global_batch_size:
-            raise ValueError(
-                f"the dataset has {num_samples} samples, fewer than one global batch of batch_size={batch_size} x "
-                f"world size {world_size} = {global_batch_size}; lower batch_size or use fewer processes."
+            raise ConfigError(
+                f"batch_size={batch_size}: the dataset has {num_samples} samples, fewer than one global batch of "
+                f"batch_size={batch_size} x world size {world_size} = {global_batch_size}. Fix: "
+                f"batch_size={max(num_samples // world_size, 1)} or fewer processes."
             )
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -120,12 +123,12 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     def load_state_dict(self, state: dict[str, int]) -> str:
         """Continue at the saved epoch and global sample offset; returns the position, for the log."""
         if state["num_samples"] != self.num_samples:
-            raise ValueError(
+            raise ConfigError(
                 f"the sampler state was saved for a dataset of {state['num_samples']} samples, but this one has "
                 f"{self.num_samples}; resume with the same dataset (and episodes selection)."
             )
         if state["seed"] != self.seed:
-            raise ValueError(
+            raise ConfigError(
                 f"the sampler state was saved with seed={state['seed']} but this run has seed={self.seed}; "
                 f"resume with seed={state['seed']} to continue the same sample order."
             )

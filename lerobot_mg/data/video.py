@@ -12,11 +12,14 @@ round-trip test bounds it); noise-like images lose more.
 from __future__ import annotations
 
 import os
+import threading
 from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
+
+from lerobot_mg.errors import ConfigError
 
 # Encoders tried in order for each user-facing codec name. libx264 is the usual H.264 encoder in
 # PyAV's bundled ffmpeg; "h264" names whatever H.264 encoder that build registers instead.
@@ -24,11 +27,15 @@ _ENCODER_CANDIDATES: dict[str, tuple[str, ...]] = {
     "h264": ("libx264", "h264"),
     "av1": ("libsvtav1", "libaom-av1"),
 }
-# A keyframe every 2 frames keeps a random-access seek to at most one extra decoded frame, at the
-# cost of larger files (LeRobot's own encoder defaults use g=2 for the same reason). CRF 30 for
-# AV1 is LeRobot's default; for H.264, CRF 20 keeps small smooth test images within a few levels.
+# Training reads frames in random order, so every read is a seek. H.264 is written all-intra (g=1: every frame a
+# keyframe, hence no B-frames): a seek lands on the frame asked for and decodes it alone. Measured on 240x320
+# frames (CPU time, one thread): a shuffled read decodes at ~0.9x a sequential decode of the same file with g=1,
+# ~0.55x with g=2 and no B-frames, ~0.37x with g=2 and x264's default B-frames (their reorder delay makes every
+# seek decode further), while the file grew ~4% over g=2 (scripts/bench_data.py; README "Data loading").
+# AV1 keeps LeRobot's defaults (g=2, CRF 30), not measured here. CRF 20 keeps small smooth test images within a
+# few levels.
 _ENCODER_OPTIONS: dict[str, dict[str, str]] = {
-    "h264": {"g": "2", "crf": "20"},
+    "h264": {"g": "1", "crf": "20"},
     "av1": {"g": "2", "crf": "30"},
 }
 PIX_FMT = "yuv420p"
@@ -37,7 +44,7 @@ PIX_FMT = "yuv420p"
 def resolve_encoder(codec: str) -> str:
     """Returns the PyAV encoder name used for ``codec`` ("h264" or "av1") on this machine."""
     if codec not in _ENCODER_CANDIDATES:
-        raise ValueError(f"video_codec={codec!r} is not supported; use one of {sorted(_ENCODER_CANDIDATES)}.")
+        raise ConfigError(f"video_codec={codec!r} is not supported; use one of {sorted(_ENCODER_CANDIDATES)}.")
     for name in _ENCODER_CANDIDATES[codec]:
         if name not in av.codecs_available:
             continue
@@ -46,7 +53,7 @@ def resolve_encoder(codec: str) -> str:
         except (av.error.FFmpegError, ValueError):
             continue
         return name
-    raise ValueError(
+    raise ConfigError(
         f"video_codec={codec!r}: none of the encoders {list(_ENCODER_CANDIDATES[codec])} is available in "
         f"this PyAV build (av {av.__version__}); pick another video_codec."
     )
@@ -56,7 +63,7 @@ def check_encodable(key: str, codec: str, height: int, width: int) -> str:
     """Returns the encoder for ``codec``; raises if frames of ``height x width`` cannot be encoded."""
     # yuv420p subsamples chroma 2x2, which the encoders only accept for even sizes.
     if height % 2 or width % 2:
-        raise ValueError(
+        raise ConfigError(
             f"video feature {key!r} has frames of {height}x{width}, which cannot be encoded as {PIX_FMT}: "
             "height and width must be even; resize the frames or store the feature with dtype 'image'."
         )
@@ -85,7 +92,7 @@ class VideoEncoder:
 
     def add_frames(self, frames_THWC: np.ndarray) -> None:
         if frames_THWC.dtype != np.uint8 or frames_THWC.shape[1:] != (self.height, self.width, 3):
-            raise ValueError(
+            raise ConfigError(
                 f"video frames must be uint8 of shape (T, {self.height}, {self.width}, 3), got "
                 f"{frames_THWC.dtype} {tuple(frames_THWC.shape)}."
             )
@@ -116,6 +123,17 @@ class VideoEncoder:
         }
 
 
+def video_frame_count(path: Path, fps: int) -> int:
+    """Frames in ``path``'s first video stream, from its header (the mp4 sample table): nothing is decoded."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        if stream.frames:
+            return int(stream.frames)
+        # Containers without a frame count in the header: their duration at ``fps``.
+        duration_s = float(stream.duration * stream.time_base) if stream.duration else container.duration / av.time_base
+        return round(duration_s * fps)
+
+
 class VideoFrameReader:
     """Decodes frames at given timestamps, keeping one open container per file and per process.
 
@@ -126,8 +144,13 @@ class VideoFrameReader:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._containers: dict[Path, av.container.InputContainer] = {}
+        self._lock = threading.Lock()  # cameras decode in threads: one fills the cache while another reads it
 
     def _container(self, path: Path) -> av.container.InputContainer:
+        with self._lock:
+            return self._open(path)
+
+    def _open(self, path: Path) -> av.container.InputContainer:
         if self._pid != os.getpid():
             # Freeing the parent's copies here is safe only because they decode without threads.
             self._containers = {}
@@ -145,36 +168,46 @@ class VideoFrameReader:
     def decode(self, path: Path, timestamps_s: list[float], tolerance_s: float) -> np.ndarray:
         """Returns uint8 frames ``(T, H, W, 3)``, the frame nearest each timestamp of ``path``.
 
-        Seeks once to the keyframe before the earliest timestamp, then decodes forward.
+        Seeks once to the keyframe at or before the earliest timestamp, then decodes packet by packet up to the
+        latest one and no further; only the frames asked for are converted to RGB.
         """
         container = self._container(path)
         stream = container.streams.video[0]
         first_s, last_s = min(timestamps_s), max(timestamps_s)
-        container.seek(int(first_s / stream.time_base), stream=stream, backward=True, any_frame=False)
-        decoded_times_s: list[float] = []
-        decoded_frames: list[np.ndarray] = []
-        for frame in container.decode(stream):
-            frame_time_s = float(frame.pts * stream.time_base)
-            if frame_time_s < first_s - tolerance_s:
-                continue
-            decoded_times_s.append(frame_time_s)
-            decoded_frames.append(frame.to_ndarray(format="rgb24"))
-            if frame_time_s >= last_s - tolerance_s:
+        # Rounded, not floored: a float timestamp a hair below a frame's time must not seek to the keyframe before.
+        container.seek(round(first_s / stream.time_base), stream=stream, backward=True, any_frame=False)
+        decoded: list[tuple[float, av.VideoFrame]] = []
+        for packet in container.demux(stream):
+            for frame in stream.codec_context.decode(packet):
+                frame_time_s = float(frame.pts * stream.time_base)
+                if frame_time_s >= first_s - tolerance_s:
+                    decoded.append((frame_time_s, frame))
+            if decoded and decoded[-1][0] >= last_s - tolerance_s:
                 break
-        if not decoded_frames:
-            raise ValueError(f"no video frame at or after {first_s:.6f}s in {path}; the video is too short.")
-        times_s = np.asarray(decoded_times_s)
+        if not decoded:
+            raise ConfigError(f"no video frame at or after {first_s:.6f}s in {path}; the video is too short for "
+                              "its episodes table. Fix: download or regenerate the dataset.")
+        times_s = np.asarray([time_s for time_s, _ in decoded])
+        rgb: dict[int, np.ndarray] = {}  # an episode edge repeats a frame: convert it once
         frames = []
         for query_s in timestamps_s:
             nearest = int(np.argmin(np.abs(times_s - query_s)))
             if abs(times_s[nearest] - query_s) > tolerance_s:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}: requested frame at {query_s:.6f}s but the nearest decoded frame is at "
                     f"{times_s[nearest]:.6f}s (more than tolerance_s={tolerance_s} away); the video and "
-                    "the parquet timestamps disagree, or tolerance_s is too small for this file."
+                    "the parquet timestamps disagree, or tolerance_s is too small for this file. Fix: download "
+                    "or regenerate the dataset."
                 )
-            frames.append(decoded_frames[nearest])
+            if nearest not in rgb:
+                rgb[nearest] = decoded[nearest][1].to_ndarray(format="rgb24")
+            frames.append(rgb[nearest])
         return np.stack(frames)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # What crosses a process boundary (spawned DataLoader workers) is an empty reader: containers and locks
+        # belong to the process that made them.
+        return VideoFrameReader, ()
 
     def close(self) -> None:
         if self._pid == os.getpid():

@@ -32,6 +32,7 @@ from lerobot_mg.data.lerobot_dataset import (
     VIDEO_PATH,
 )
 from lerobot_mg.data.video import VideoEncoder, check_encodable
+from lerobot_mg.errors import ConfigError
 
 _NUMERIC_DTYPES = ("float32", "float64", "int32", "int64", "bool")
 _VISUAL_DTYPES = ("image", "video")
@@ -44,25 +45,25 @@ _QUANTILES = {"q01": 0.01, "q99": 0.99}
 
 def _validate_features(features: dict[str, dict]) -> dict[str, dict]:
     if not features:
-        raise ValueError("features is empty; declare at least one feature, e.g. {'action': {'dtype': ...}}.")
+        raise ConfigError("features is empty; declare at least one feature, e.g. {'action': {'dtype': ...}}.")
     validated: dict[str, dict] = {}
     for key, feature in features.items():
         if "/" in key:
-            raise ValueError(
+            raise ConfigError(
                 f"feature name {key!r} contains '/', which the episodes table uses as a separator."
             )
         if key in DEFAULT_FEATURES:
-            raise ValueError(f"feature {key!r} is written by the writer itself; remove it from features.")
+            raise ConfigError(f"feature {key!r} is written by the writer itself; remove it from features.")
         dtype = feature.get("dtype")
         if dtype not in _NUMERIC_DTYPES + _VISUAL_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"feature {key!r} has dtype={dtype!r}; use one of {list(_NUMERIC_DTYPES + _VISUAL_DTYPES)}."
             )
         shape = tuple(int(size) for size in feature.get("shape", ()))
         if not shape or any(size < 1 for size in shape):
-            raise ValueError(f"feature {key!r} has shape={feature.get('shape')!r}; give a non-empty shape.")
+            raise ConfigError(f"feature {key!r} has shape={feature.get('shape')!r}; give a non-empty shape.")
         if dtype in _VISUAL_DTYPES and (len(shape) != 3 or shape[2] != 3):
-            raise ValueError(
+            raise ConfigError(
                 f"feature {key!r} ({dtype}) has shape={list(shape)}; images are [height, width, 3] (HWC RGB)."
             )
         names = feature.get("names")
@@ -170,12 +171,12 @@ class LeRobotDatasetWriter:
     ) -> None:
         self.root = Path(root)
         if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
-            raise ValueError(
+            raise ConfigError(
                 f"dataset directory {self.root} already exists and is not empty; refusing to overwrite it. "
                 "Choose a new root or delete the old dataset first."
             )
         if not isinstance(fps, int) or fps < 1:
-            raise ValueError(f"fps={fps!r} must be a positive integer.")
+            raise ConfigError(f"fps={fps!r} must be a positive integer.")
         self.fps = fps
         self.robot_type = robot_type
         self.video_codec = video_codec
@@ -208,7 +209,7 @@ class LeRobotDatasetWriter:
         missing = sorted(set(self.user_features) - set(frame))
         extra = sorted(set(frame) - set(self.user_features))
         if missing or extra:
-            raise ValueError(f"frame keys do not match the features: missing {missing}, unexpected {extra}.")
+            raise ConfigError(f"frame keys do not match the features: missing {missing}, unexpected {extra}.")
         arrays: dict[str, np.ndarray] = {}
         for key, feature in self.user_features.items():
             value = frame[key]
@@ -216,13 +217,13 @@ class LeRobotDatasetWriter:
             shape = tuple(feature["shape"])
             if feature["dtype"] in _VISUAL_DTYPES:
                 if array.dtype != np.uint8 or array.shape != shape:
-                    raise ValueError(
+                    raise ConfigError(
                         f"frame[{key!r}] must be a uint8 HWC image of shape {shape}, got {array.dtype} "
                         f"{array.shape}."
                     )
             else:
                 if array.size != int(np.prod(shape)) or (array.shape != shape and array.ndim > 0):
-                    raise ValueError(
+                    raise ConfigError(
                         f"frame[{key!r}] has shape {array.shape}; the feature's shape is {shape}."
                     )
                 array = array.astype(feature["dtype"]).reshape(shape)
@@ -237,7 +238,7 @@ class LeRobotDatasetWriter:
         if num_frames == 0:
             raise ValueError("save_episode() called with no frames; add_frame() at least once per episode.")
         if not task:
-            raise ValueError("save_episode(task=...) needs a non-empty task description.")
+            raise ConfigError("save_episode(task=...) needs a non-empty task description.")
         episode_index = self.num_episodes
         task_index = self._tasks.setdefault(task, len(self._tasks))
         frame_index = np.arange(num_frames, dtype=np.int64)
