@@ -105,9 +105,9 @@ def _decode_png(data: bytes) -> np.ndarray:
 
 def _visual_tensor(frames_THWC: np.ndarray, uint8: bool) -> torch.Tensor:
     """``(T, C, H, W)``: uint8 as decoded, or float32 in [0, 1]."""
-    frames = torch.from_numpy(np.ascontiguousarray(frames_THWC)).permute(0, 3, 1, 2)
-    # contiguous: a permuted view would cross the worker pipe with the HWC layout and be copied again later.
-    return frames.contiguous() if uint8 else frames.float().div_(255.0)
+    frames = torch.from_numpy(frames_THWC).permute(0, 3, 1, 2)
+    # The uint8 view is not copied here: collating a batch copies it into one (shared-memory) tensor anyway.
+    return frames if uint8 else frames.float().div_(255.0)
 
 
 _REDOWNLOAD = ("download the dataset again (e.g. `huggingface-cli download --repo-type dataset <repo_id> "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from lerobot_mg.errors import ConfigError
 
@@ -145,6 +146,9 @@ class VideoFrameReader:
         self._pid = os.getpid()
         self._containers: dict[Path, av.container.InputContainer] = {}
         self._lock = threading.Lock()  # cameras decode in threads: one fills the cache while another reads it
+        # One converter per reader keeps swscale's context from one frame to the next; ``frame.to_ndarray`` builds
+        # a new one per frame, which cost more than the conversion itself (0.3 against 0.05 ms at 240x320).
+        self._rgb = VideoReformatter()
 
     def _container(self, path: Path) -> av.container.InputContainer:
         with self._lock:
@@ -200,9 +204,9 @@ class VideoFrameReader:
                     "or regenerate the dataset."
                 )
             if nearest not in rgb:
-                rgb[nearest] = decoded[nearest][1].to_ndarray(format="rgb24")
+                rgb[nearest] = self._rgb.reformat(decoded[nearest][1], format="rgb24").to_ndarray()
             frames.append(rgb[nearest])
-        return np.stack(frames)
+        return frames[0][None] if len(frames) == 1 else np.stack(frames)  # one frame: a view, not a copy
 
     def __reduce__(self) -> tuple[type, tuple]:
         # What crosses a process boundary (spawned DataLoader workers) is an empty reader: containers and locks

@@ -197,3 +197,27 @@ def test_a_killed_data_worker_stops_the_run_naming_it(tiny_dataset: TinyDataset,
     named = [f"DataLoader worker {i} (pid {workers[0]}) was killed by SIGKILL" for i in (0, 1)]
     named.append(f"DataLoader worker (pid {workers[0]}) is killed by signal: Killed")
     assert any(line in output for line in named), output[-3000:]
+
+
+def _delivered(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int, steps: int) -> list[list]:
+    """What the training loop receives over ``steps`` loop steps: index and the image bytes, as train() advances."""
+    from lerobot_mg.train import _batches
+
+    batches, delivered = _batches(dataset, sampler, num_workers, pin_memory=False), []
+    for _ in range(steps):
+        batch = next(batches)
+        sampler.advance()
+        delivered.append([batch["index"].tolist(), batch[VIDEO_KEY].sum().item()])
+    batches.close()
+    return delivered
+
+
+def test_persistent_workers_keep_the_order_across_epochs_and_resume(tiny_dataset: TinyDataset) -> None:
+    dataset = LeRobotDataset(tiny_dataset.root, keys=[VIDEO_KEY], uint8_visuals=True)
+    straight = _delivered(dataset, ResumableBatchSampler(len(dataset), 4, seed=5), 0, 12)  # 5 steps an epoch
+    assert straight == _delivered(dataset, ResumableBatchSampler(len(dataset), 4, seed=5), 2, 12)
+    saved = ResumableBatchSampler(len(dataset), 4, seed=5)
+    saved.advance(7)  # mid-epoch 1, as a checkpoint saves it
+    resumed = ResumableBatchSampler(len(dataset), 4, seed=5)
+    resumed.load_state_dict(saved.state_dict())
+    assert _delivered(dataset, resumed, 2, 5) == straight[7:]

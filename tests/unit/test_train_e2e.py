@@ -37,6 +37,9 @@ def test_short_run_lowers_loss_and_writes_the_guides_checkpoint_tree(tmp_path: P
     losses = [m["loss"] for m in interval_metrics(run_dir)]
     assert [m["step"] for m in interval_metrics(run_dir)] == [10, 20, 30, 40]
     assert losses[-1] < 0.5 * losses[0], losses
+    # The time the loop waited for its batches (num_workers=0: it loads them itself), and its share of the interval.
+    for m in interval_metrics(run_dir):
+        assert 0 < m["data_wait_s"] < m["wall_time_s"] and 0 < m["data_frac"] < 1, m
 
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["000020", "000040", "last"]
