@@ -167,7 +167,8 @@ def main() -> None:
             results += [BenchResult(f"loader_{tag}_workers{n}", s, None, "samples/s") for n, s in speeds.items()]
             results.append(BenchResult(f"loader_{tag}_workers2_over_workers1", speeds[2] / speeds[1], 1.8, "x",
                                        GoalIs.AT_LEAST))
-            consumption, data_frac = train_consumption(root, num_cameras, args.train_steps, workdir / f"run_{tag}")
+            consumption, data_frac = train_consumption(root, num_cameras, args.train_steps,
+                                                      Path(tempfile.mkdtemp(prefix=f"run_{tag}_", dir=workdir)))
             results += [
                 BenchResult(f"train_{tag}_consumption", consumption, None, "samples/s"),
                 BenchResult(f"loader_{tag}_over_consumption", speeds[DEFAULT_NUM_WORKERS] / consumption, 3.0, "x",
