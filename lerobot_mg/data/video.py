@@ -157,7 +157,7 @@ class VideoFrameReader:
 
     def _open(self, path: Path) -> av.container.InputContainer:
         if self._pid != os.getpid():
-            # Freeing the parent's copies here is safe only because they decode without threads.
+            # Freeing the parent's copies here is safe only because they decode and convert without threads.
             self._containers, self._rgb = {}, {}
             self._pid = os.getpid()
         if path not in self._containers:
@@ -206,7 +206,9 @@ class VideoFrameReader:
                     "or regenerate the dataset."
                 )
             if nearest not in rgb:
-                rgb[nearest] = self._rgb[path].reformat(decoded[nearest][1], format="rgb24").to_ndarray()
+                # One thread, as the decoder: a forked worker frees its parent's copy, which must own no threads.
+                frame = self._rgb[path].reformat(decoded[nearest][1], format="rgb24", threads=1)
+                rgb[nearest] = frame.to_ndarray()
             frames.append(rgb[nearest])
         return frames[0][None] if len(frames) == 1 else np.stack(frames)  # one frame: a view, not a copy
 
