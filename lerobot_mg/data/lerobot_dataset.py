@@ -120,7 +120,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
     ``dataset[i]`` holds the features named in ``keys`` (every feature when None) and the default ones:
     float features as float32 tensors of the feature's shape, images and video frames as float32
     ``(C, H, W)`` in [0, 1] (uint8 in 0..255 with ``uint8_visuals``: a quarter of the bytes through the
-    DataLoader's worker pipes, for the device to scale; see ``visuals_to_float``), ``index``/``episode_index``/
+    DataLoader's worker pipes, for the device to scale: ``lerobot_mg.step.to_device``), ``index``/``episode_index``/
     ``frame_index``/``task_index`` as int64 scalars, ``timestamp`` as a float32 scalar and ``task``
     as a string. A key in ``delta_timestamps`` gets a leading time dim: frames at those offsets (in
     seconds, multiples of 1/fps) from the current one, clamped to the episode's first/last frame,
@@ -162,7 +162,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             if unknown:
                 raise ConfigError(
                     f"episodes={episodes} asks for episodes {unknown}, which {self.root} does not have; "
-                    f"it has episodes {available[0]}..{available[-1]} ({len(available)} in all)."
+                    f"it has episodes {available[0]}..{available[-1]} ({len(available)} in all). Fix: "
+                    "dataset.episodes=null (all of them) or a list of episodes it has."
                 )
             mask = pc.is_in(episodes_table.column("episode_index"), value_set=pa.array(sorted(set(episodes))))
             episodes_table = episodes_table.filter(mask)
