@@ -100,7 +100,7 @@ class RunTracker:
         self._start = self._interval_start = time.perf_counter()
         self._interval_steps = 0
 
-    def step_done(self, logs: StepLogs, index_B: torch.Tensor, data_wait_s: float = 0.0) -> None:
+    def step_done(self, logs: StepLogs, index_B: torch.Tensor, data_wait_s: float) -> None:
         """Account for one finished loop step that trained on the samples ``index_B`` (this rank's micro-batch),
         after waiting ``data_wait_s`` for them. Collective on log steps: every rank must call it after every loop
         step."""
