@@ -49,6 +49,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     check_accelerate_env()
     world_size, rank, local_rank = launch_world()
     validate(cfg, world_size)
+    if cfg.torch_threads is not None:  # before any model exists; the sim evaluation at the end runs under it too
+        torch.set_num_threads(cfg.torch_threads)
     resume = _resume_point(cfg)  # before any process group: an unusable checkpoint stops the run here
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
     memory = plan_memory(cfg, dims)  # from a meta-device policy: no memory, no process group

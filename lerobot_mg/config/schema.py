@@ -196,6 +196,7 @@ class TrainConfig:
     steps: int = 2000  # loop steps (micro-batches per worker), not optimizer updates
     batch_size: int = 8  # per data-parallel worker
     num_workers: int = 0  # DataLoader worker processes per rank
+    torch_threads: int | None = None  # intra-op threads per process (torch.set_num_threads); None: torch's default
     log_freq: int = 100
     resume: bool = False
     config_path: str | None = None  # train_config.json of the checkpoint to resume

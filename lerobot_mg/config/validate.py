@@ -84,6 +84,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             raise config_error(key, value, "must be >= 1", f"{key}=<a positive integer>")
     if cfg.num_workers < 0:
         raise config_error("num_workers", cfg.num_workers, "must be >= 0", "num_workers=0")
+    if cfg.torch_threads is not None and cfg.torch_threads < 1:
+        raise config_error("torch_threads", cfg.torch_threads, "must be >= 1 (or null for torch's default)",
+                           "torch_threads=1")
 
     dp_replicate, dp_shard = resolve_dp_degrees(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size)
     sharded = dp_shard > 1

@@ -256,6 +256,7 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
     ),
     ("log_freq", [*VALID, "log_freq=-1"], 1, "log_freq=-1: must be >= 1", "log_freq=<a positive integer>"),
     ("num_workers", [*VALID, "num_workers=-1"], 1, "num_workers=-1: must be >= 0", "num_workers=0"),
+    ("torch_threads", [*VALID, "torch_threads=0"], 1, "torch_threads=0: must be >= 1", "torch_threads=1"),
     # the accelerator
     (
         "mixed_precision",
