@@ -26,7 +26,6 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
         "experiment=aloha_state", f"dataset.root={root}", f"output_dir={run_dir}", "steps=6", "batch_size=8",
         "log_freq=3", "eval.n_episodes=5", "logging.progress_bar=false", "logging.wandb.mode=disabled",
         "policy.dim_model=64", "policy.dim_feedforward=128", "policy.n_encoder_layers=1",
-        "scheduler.num_warmup_steps=0",  # the preset's cosine warms up for 100 steps
     ], timeout=400)
     result = json.loads((run_dir / "eval_info.json").read_text())
     assert result["n_episodes"] == 5 and len(result["per_episode"]) == 5
@@ -51,8 +50,8 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
     # peft model gives the same actions: tests/unit/test_peft.py).
     lora_dir = tmp_path / "lora"
     run_train(["experiment=aloha_state", f"policy.path={pretrained}", "peft=lora", "peft.r=4", f"dataset.root={root}",
-               f"output_dir={lora_dir}", "steps=2", "log_freq=1", "scheduler.num_warmup_steps=0",
-               "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=400)
+               f"output_dir={lora_dir}", "steps=2", "log_freq=1", "logging.progress_bar=false",
+               "logging.wandb.mode=disabled"], timeout=400)
     adapter_dir = lora_dir / "checkpoints" / "last" / "pretrained_model"
     assert (adapter_dir / "adapter_model.safetensors").is_file() and not (adapter_dir / "model.safetensors").exists()
     cmd = [sys.executable, str(REPO / "scripts" / "eval.py"), "--policy_path", str(adapter_dir), "--n_episodes", "1",
