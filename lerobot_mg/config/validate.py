@@ -106,6 +106,9 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
             "accelerator.mixed_precision", acc.mixed_precision, f"must be one of {MIXED_PRECISIONS}",
             "accelerator.mixed_precision=bf16",
         )
+    unsupported = precision_unsupported(acc.mixed_precision, use_cpu=acc.cpu or not torch.cuda.is_available())
+    if unsupported is not None:
+        raise config_error("accelerator.mixed_precision", acc.mixed_precision, *unsupported)
     if acc.gradient_accumulation.steps < 1:
         raise config_error(
             "accelerator.gradient_accumulation.steps", acc.gradient_accumulation.steps, "must be >= 1",
@@ -331,6 +334,30 @@ def _validate_dataset(cfg: TrainConfig, dp_world_size: int) -> None:
 
         with torch.device("meta"):  # the module classes only: no memory, no draw from the random generator
             check_wrap_classes(make_policy(cfg.policy, info["features"]), wrap_modules)
+
+
+def precision_unsupported(mixed_precision: str, use_cpu: bool) -> tuple[str, str] | None:
+    """(why this device cannot compute in ``mixed_precision``, the setting it can) or None when it can.
+
+    A GPU that lacks the arithmetic would otherwise fail deep in the first forward (fp16 before compute capability
+    5.3) or, for bf16 before 8.0, run torch's slow emulation without saying so.
+    """
+    if mixed_precision == "no":
+        return None
+    device = "cpu" if use_cpu else "cuda"
+    if not torch.amp.is_autocast_available(device):
+        return f"this torch build has no autocast for {device}", "accelerator.mixed_precision=no"
+    if use_cpu:  # CPU autocast computes in both (fp16 with the loss scaler distributed/accelerator.py builds)
+        return None
+    capability = torch.cuda.get_device_capability()
+    gpu = f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]})"
+    has_fp16 = capability >= (5, 3)
+    if mixed_precision == "fp16" and not has_fp16:
+        return f"{gpu} has no fp16 arithmetic (compute capability 5.3 or later)", "accelerator.mixed_precision=no"
+    if mixed_precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return (f"{gpu} has no native bf16 (compute capability 8.0 or later); torch would emulate it slowly",
+                f"accelerator.mixed_precision={'fp16' if has_fp16 else 'no'}")
+    return None
 
 
 def _validate_finetune(cfg: TrainConfig, sharded: bool) -> None:

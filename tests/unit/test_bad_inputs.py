@@ -31,7 +31,7 @@ from lerobot_mg.config.loading import (
     run_config,
     train_config_to_dict,
 )
-from lerobot_mg.config.validate import validate
+from lerobot_mg.config.validate import precision_unsupported, validate
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.errors import ConfigError
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, TRAIN_SCRIPT, clean_env, free_port, kill_tree
@@ -528,6 +528,37 @@ def test_bad_input_is_refused_with_the_key_the_value_and_the_fix(row: BadInput, 
     assert "\n" not in message
     assert message.startswith(row.start), message
     assert message.split(". Fix: ", 1)[1].startswith(row.fix), message
+
+
+# A GPU that cannot compute in the precision asked for: no such GPU here, so torch's answers about the device are
+# replaced by those of the GPUs named (what torch.cuda reports on them); the rule under test is ours.
+GPUS = {"Tesla K80": (3, 7), "Tesla V100-SXM2-16GB": (7, 0)}
+PRECISION_ROWS = [  # (id, GPU, accelerator.mixed_precision, message start, fix)
+    ("fp16_where_the_gpu_cannot", "Tesla K80", "fp16",
+     "accelerator.mixed_precision='fp16': Tesla K80 (compute capability 3.7) has no fp16 arithmetic",
+     "accelerator.mixed_precision=no"),
+    ("bf16_where_the_gpu_cannot", "Tesla V100-SXM2-16GB", "bf16",
+     "accelerator.mixed_precision='bf16': Tesla V100-SXM2-16GB (compute capability 7.0) has no native bf16",
+     "accelerator.mixed_precision=fp16"),
+]
+
+
+@pytest.mark.parametrize(("row_id", "gpu", "precision", "start", "fix"), PRECISION_ROWS,
+                         ids=[row[0] for row in PRECISION_ROWS])
+def test_a_precision_the_gpu_cannot_compute_is_refused(row_id: str, gpu: str, precision: str, start: str, fix: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _run_config([*VALID, f"accelerator.mixed_precision={precision}"], 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: GPUS[gpu])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: GPUS[gpu] >= (8, 0))
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, 1)
+    message = str(error.value)
+    assert message.startswith(start) and message.split(". Fix: ", 1)[1].startswith(fix), message
+    assert f"`{row_id}`" in ERRORS_DOC.read_text()
+    # The same GPU with the precision the fix names passes this check (negative control of the rule).
+    assert precision_unsupported(fix.split("=")[1], use_cpu=False) is None
 
 
 def test_defaults_the_user_did_not_type_never_refuse_a_short_run() -> None:
