@@ -10,7 +10,13 @@
 # 4. Peak GPU memory of each run (torch.cuda.max_memory_allocated, printed by the inline probe below).
 # 5. accelerator.compile (inductor -> Triton) and accelerator.activation_checkpointing on CUDA: Diffusion at
 #    LeRobot's U-Net widths, one GPU and FSDP2 on NCCL (units by size), compiled + checkpointed against eager (the
-#    losses of the same 40 steps must agree; the peak memory should drop); ACT the same under FSDP2 + bf16.
+#    losses of the same logged steps must agree); ACT the same under FSDP2 + bf16.
+# 6. checkpoint.async_save=true with NCCL as the main group (the background DCP write goes through a gloo side
+#    group), and a resume from it; the in-place DCP reader then reads into CUDA targets.
+# 7. plan=true against the GPU's free memory (torch.cuda.mem_get_info), and the per-run data wait (data_frac) with
+#    uint8 images scaled on the GPU.
+# Each run prints, from its ledger: loss first -> last, samples/s of the last interval, data_frac, and the training
+# state per rank (rank_bytes.json), plus its checkpoint log lines (bytes and seconds per save).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -38,14 +44,20 @@ run() {  # name, launcher..., overrides... (the ACT overrides in `common` unless
   local -n preset=${PRESET:-common}
   echo "== $name"
   local start=$SECONDS
-  "$@" "${preset[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|activation checkpointing:|torch.compile:|wrap units|Error|error" || true
+  "$@" "${preset[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|activation checkpointing:|torch.compile:|wrap units|Checkpoint |Error|error" || true
   $PY - "$OUT/$name" <<'PY'
-import sys, pathlib
+import json, sys, pathlib
 run = pathlib.Path(sys.argv[1])
 from lerobot_mg.accounting.ledger import read_ledger
-lines = [interval.metrics for interval in read_ledger(run).intervals]
-print(f"   loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}, samples/s {lines[-1]['samples/s']:.0f}, "
-      f"peak GPU memory {lines[-1].get('gpu_peak_memory_gb', 'n/a')} GB")
+intervals = read_ledger(run).intervals
+first, last = intervals[0], intervals[-1]
+before = intervals[-2] if len(intervals) > 1 else None
+rate = ((last.progress.samples_seen - before.progress.samples_seen) / (last.wall_time_s - before.wall_time_s)
+        if before is not None else float("nan"))
+held = json.loads((run / "rank_bytes.json").read_text()) if (run / "rank_bytes.json").exists() else []
+print(f"   loss {first.metrics['loss']:.4f} -> {last.metrics['loss']:.4f}, samples/s {rate:.0f}, "
+      f"data_frac {last.metrics.get('data_frac', float('nan')):.3f}, training state per rank "
+      f"{[round(h['total'] / 2**20, 1) for h in held]} MiB")
 PY
   echo "   wall ${SECONDS}s total so far (started at ${start}s)"
 }
@@ -61,10 +73,19 @@ run fsdp_dcp_resume0 "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp st
 echo "== resume from DCP on NCCL"
 "${TR[@]}" resume=true "config_path=$OUT/fsdp_dcp_resume0/checkpoints/last/pretrained_model/train_config.json" steps=40 2>&1 | grep -E "resumed|Error" || true
 
+run fsdp_async_dcp  "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp checkpoint.async_save=true \
+    checkpoint.save_freq=10 steps=20
+echo "== resume from an asynchronously written DCP checkpoint on NCCL"
+"${TR[@]}" resume=true "config_path=$OUT/fsdp_async_dcp/checkpoints/last/pretrained_model/train_config.json" steps=40 \
+    checkpoint.async_save=true 2>&1 | grep -E "resumed|Checkpoint |Error" || true
+echo "== plan=true against the GPU's free memory"
+"${TR[@]}" "${common[@]}" parallelism.dp_shard=-1 plan=true "output_dir=$OUT/plan" 2>&1 | tail -n 15
+
 same_losses() {  # run, reference, tolerance: the compiled / checkpointed run trains like the eager one
   $PY - "$OUT/$1" "$OUT/$2" "$3" <<'PY'
-import json, sys, pathlib
-runs = [[json.loads(l)["loss"] for l in (pathlib.Path(d) / "metrics.jsonl").read_text().splitlines()] for d in sys.argv[1:3]]
+import sys, pathlib
+from lerobot_mg.accounting.ledger import read_ledger
+runs = [[interval.metrics["loss"] for interval in read_ledger(pathlib.Path(d)).intervals] for d in sys.argv[1:3]]
 worst, tolerance = max(abs(a - b) / abs(b) for a, b in zip(*runs)), float(sys.argv[3])
 print(f"   {pathlib.Path(sys.argv[1]).name} vs {pathlib.Path(sys.argv[2]).name}: largest relative loss difference "
       f"{worst:.2e} over {len(runs[1])} logged steps (tolerance {tolerance:g}): {'ok' if worst <= tolerance else 'MISMATCH'}")
