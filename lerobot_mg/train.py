@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -20,7 +19,7 @@ from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import config_error, validate
-from lerobot_mg.data.lerobot_dataset import LeRobotDataset
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset, read_info
 from lerobot_mg.data.loader import one_pass
 from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
@@ -53,7 +52,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         torch.set_num_threads(cfg.torch_threads)
     resume = _resume_point(cfg)  # before any process group: an unusable checkpoint stops the run here
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
-    memory = plan_memory(cfg, dims)  # from a meta-device policy: no memory, no process group
+    info = read_info(Path(cfg.dataset.root))  # the features a policy is built on and the fps of its sample offsets
+    memory = plan_memory(cfg, dims, info["features"])  # from a meta-device policy: no memory, no process group
     if cfg.plan:
         if dims.is_main_process:
             print("\n".join(memory.describe()), flush=True)
@@ -67,7 +67,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     record_placement(accelerator, dims, output_dir)  # collective
     preemption = PreemptionWatch(dims, accelerator.device, cfg.accelerator.gradient_accumulation.steps)
 
-    info = _dataset_info(cfg.dataset.root)
     policy = build_policy(cfg, info["features"])  # fresh, the base at policy.path, or that base under LoRA
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
     dataset = LeRobotDataset(cfg.dataset.root, delta_timestamps(cfg.policy, info["features"], info["fps"]),
@@ -200,11 +199,6 @@ def _training_step(progress: Progress, sampler: ResumableBatchSampler, facts: Ru
 def _is_save_step(cfg: TrainConfig, step: int, preempted: bool) -> bool:
     """Every save_freq loop steps, at the last one and on preemption (all on optimizer-update boundaries)."""
     return cfg.checkpoint.save_checkpoint and (preempted or step % cfg.checkpoint.save_freq == 0 or step == cfg.steps)
-
-
-def _dataset_info(root: str) -> dict[str, Any]:
-    """meta/info.json: the features a policy is built on and the fps its sample offsets are in."""
-    return json.loads((Path(root) / "meta" / "info.json").read_text())
 
 
 def _processors(cfg: TrainConfig, policy: torch.nn.Module, dataset: LeRobotDataset,

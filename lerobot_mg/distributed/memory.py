@@ -20,7 +20,6 @@ it shrinks activations and the gathered copy of a unit during its forward, which
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -207,14 +206,13 @@ class MemoryPlan:
         return lines
 
 
-def plan_memory(cfg: Any, dims: ParallelDims) -> MemoryPlan:
+def plan_memory(cfg: Any, dims: ParallelDims, features: dict[str, Any]) -> MemoryPlan:
     """The plan of ``cfg`` (a TrainConfig) on the layout ``dims``: builds the policy on the meta device (no memory,
-    no process group) from the dataset's meta/info.json."""
+    no process group) from the dataset's ``features`` (meta/info.json, read once by the caller)."""
     from lerobot_mg.distributed.accelerator import use_cpu
     from lerobot_mg.distributed.wrap import plan_units
     from lerobot_mg.peft.build import build_policy
 
-    features = json.loads((Path(cfg.dataset.root) / "meta" / "info.json").read_text())["features"]
     with torch.device("meta"):
         policy = build_policy(cfg, features)
     acc = cfg.accelerator

@@ -15,8 +15,10 @@ from torch import nn
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, to_train_config
 from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.data.lerobot_dataset import read_info
 from lerobot_mg.distributed.memory import (
     MemoryBudget,
+    MemoryPlan,
     check_fits,
     param_facts,
     plan_memory,
@@ -35,6 +37,10 @@ def _train_config(overrides: list[str]) -> TrainConfig:
     return to_train_config(composed)
 
 
+def _plan(cfg: TrainConfig, dims: ParallelDims) -> MemoryPlan:
+    return plan_memory(cfg, dims, read_info(PUSHT_SLICE)["features"])
+
+
 def test_shards_follow_torch_chunk() -> None:
     """5 rows over 4 shards: torch.chunk gives 2, 2, 1, 0 rows (FSDP2's split), not 2, 1, 1, 1."""
     model = nn.Linear(3, 5)  # weight (5, 3), bias (5,)
@@ -51,9 +57,9 @@ def test_shards_follow_torch_chunk() -> None:
 
 def test_a_run_that_does_not_fit_is_refused_with_the_layouts_that_would() -> None:
     cfg = _train_config(["parallelism.dp_shard=4"])
-    plan = plan_memory(cfg, ParallelDims.resolve(1, 4, 4))
+    plan = _plan(cfg, ParallelDims.resolve(1, 4, 4))
     sharded = plan.busiest.total
-    whole = plan_memory(_train_config([]), ParallelDims.resolve(1, 1, 4)).busiest.total
+    whole = _plan(_train_config([]), ParallelDims.resolve(1, 1, 4)).busiest.total
     assert 3.5 < whole / sharded < 4.5  # parameters, gradients and moments all split four ways
 
     check_fits(plan, MemoryBudget(4 * sharded, "available host RAM", 4))  # exactly enough for 4 ranks of a node
@@ -70,7 +76,7 @@ def test_a_run_that_does_not_fit_is_refused_with_the_layouts_that_would() -> Non
         check_fits(replace(plan, gpu=True), MemoryBudget(sharded - 1, "free memory of cuda:0", 1))
     assert "parallelism.dp_replicate=1 parallelism.dp_shard=4 accelerator.fsdp.cpu_offload=true" in str(refused.value)
     with pytest.raises(ConfigError) as refused:
-        check_fits(plan_memory(_train_config([]), ParallelDims.resolve(1, 1, 4)),
+        check_fits(_plan(_train_config([]), ParallelDims.resolve(1, 1, 4)),
                    MemoryBudget(3 * sharded, "available host RAM", 1))
     fix = str(refused.value).split("Fix:")[1]
     assert "parallelism.dp_replicate=1 parallelism.dp_shard=4" in fix
@@ -78,6 +84,6 @@ def test_a_run_that_does_not_fit_is_refused_with_the_layouts_that_would() -> Non
 
 
 def test_mixed_precision_keeps_fp32_master_state() -> None:
-    fp32 = plan_memory(_train_config(["parallelism.dp_shard=2"]), ParallelDims.resolve(1, 2, 2))
-    bf16 = plan_memory(_train_config(["parallelism.dp_shard=2", "accelerator=bf16"]), ParallelDims.resolve(1, 2, 2))
+    fp32 = _plan(_train_config(["parallelism.dp_shard=2"]), ParallelDims.resolve(1, 2, 2))
+    bf16 = _plan(_train_config(["parallelism.dp_shard=2", "accelerator=bf16"]), ParallelDims.resolve(1, 2, 2))
     assert bf16.per_rank == fp32.per_rank
