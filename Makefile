@@ -45,8 +45,11 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
+# Every benchmark (each prints its figures beside their goals and writes outputs/bench/<script>.json), then
+# docs/benchmarks.md from those files.
 bench: setup
-	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in scripts/bench_*.py; do [ $$b = scripts/bench_report.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) scripts/bench_report.py
 
 lint: setup
 	$(PY) -m ruff check lerobot_mg scripts tests
