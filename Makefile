@@ -9,8 +9,10 @@ EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_t
 
 .PHONY: setup train train-image train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
-# torch first: `pip install torch==2.13.0` takes the CPU build that lies on disk here; a plain `torch` requirement
-# on a machine without torch would pull a multi-GB CUDA build. The package's own `torch>=2.6` is then satisfied.
+# torch first, then the package (whose own `torch>=2.6` is then satisfied). From PyPI on Linux
+# `pip install torch==2.13.0` is the CUDA build, which a GPU machine wants; on a CPU-only machine install the CPU
+# build first (a torch already in the venv is kept):
+#   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,25 +20,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[sim,dev]"
 	touch $(STAMP)
 
-# The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT, evaluate
-# it in simulation. 6 min 53 s on 2 idle CPU cores, demos included, 49/50 successes (README "The main job").
+# The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT
+# (experiment=aloha_state), evaluate it in simulation. About 7 minutes on 2 CPU cores, demos included.
 train: setup
 	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)" num_episodes=50
 	$(PY) scripts/train.py experiment=aloha_state
 
-# ACT with the top camera: a throughput check on a CPU (10 demos with 240x320 video, ~1.5 min to generate).
+# ACT with the top camera (experiment=aloha_image) on 10 demos with 240x320 video: on a CPU, a throughput check.
 train-image: setup
 	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)_images" num_episodes=10 image_size="[240,320]"
 	$(PY) scripts/train.py experiment=aloha_image
 
-# Diffusion Policy on the same embedded demos (state-only, evaluated in sim). About 50 minutes on 2 CPU cores.
+# Diffusion Policy (experiment=aloha_diffusion) on the same embedded demos, state-only, evaluated in sim.
 train-diffusion: setup
 	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)" num_episodes=50
 	$(PY) scripts/train.py experiment=aloha_diffusion
 
-# Two xdist workers, one test file at a time each: tests wait on process start-up and rendezvous much of the time.
-# Runs shared across files are trained once per session (tests/launch_utils.py: shared_by_workers).
-# TEST_WORKERS=0 runs everything in one process.
+# The whole suite: real multi-process runs on gloo; the SLURM tests skip without a cluster (make slurm-local).
+# Two pytest-xdist workers, one test file at a time each; TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
@@ -45,8 +46,11 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
+# Every benchmark (each prints its figures beside their goals and writes outputs/bench/<script>.json), then
+# docs/benchmarks.md from those files.
 bench: setup
-	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in scripts/bench_*.py; do [ $$b = scripts/bench_report.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) scripts/bench_report.py
 
 lint: setup
 	$(PY) -m ruff check lerobot_mg scripts tests

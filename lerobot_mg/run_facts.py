@@ -1,6 +1,6 @@
 """The facts of one start of a run, built once by train() and written with ``dataclasses.asdict`` wherever they go.
 
-A learning curve can only be attributed to the code, data and layout recorded with it (seeds/comparing-runs.md).
+A learning curve can only be attributed to the code, data and layout recorded with it (docs/comparing-runs.md).
 The banner prints ``RunFacts``; ``train_config.json`` (``run_facts``), every checkpoint's ``training_step.json``
 and the ledger's start record (lerobot_mg/accounting) carry it; ``from_dict`` reads any of them back. What changed
 at a resume is computed once, as typed ``FactChange``s that the start-up log and the comparison report render.

@@ -1,2 +1,2 @@
-"""What each run trained on and under which conditions (seeds/comparing-runs.md): the facts of every start
+"""What each run trained on and under which conditions (docs/comparing-runs.md): the facts of every start
 (``facts``), the run ledger (``ledger``), the comparison of runs (``compare``) and its report and CLI (``report``)."""

@@ -1,4 +1,4 @@
-"""Honest comparison of runs from their ledgers (seeds/comparing-runs.md): equal loop steps can hide half the data
+"""Honest comparison of runs from their ledgers (docs/comparing-runs.md): equal loop steps can hide half the data
 exposure and a clean resume can change the sample stream, so a comparison states each run's arithmetic behind the
 step counter, which quantities the runs held fixed, the conditions of every start and resume, and (on request)
 whether a resumed run's loaders delivered the reference run's samples.

@@ -1,6 +1,6 @@
 """A run comparison as a console table, Markdown, learning-curve PNG or JSON (``lerobot-mg-compare``). The curves
 are drawn against loop steps, sample presentations and optimizer updates, because a curve that leads on one axis can
-trail on another (seeds/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason."""
+trail on another (docs/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ _ENCODER_CANDIDATES: dict[str, tuple[str, ...]] = {
 # keyframe, hence no B-frames): a seek lands on the frame asked for and decodes it alone. Measured on 240x320
 # frames (CPU time, one thread): a shuffled read decodes at ~0.9x a sequential decode of the same file with g=1,
 # ~0.55x with g=2 and no B-frames, ~0.37x with g=2 and x264's default B-frames (their reorder delay makes every
-# seek decode further), while the file grew ~4% over g=2 (scripts/bench_data.py; README "Data loading").
+# seek decode further), while the file grew ~4% over g=2 (scripts/bench_data.py; docs/data.md).
 # AV1 keeps LeRobot's defaults (g=2, CRF 30), not measured here. CRF 20 keeps small smooth test images within a
 # few levels.
 _ENCODER_OPTIONS: dict[str, dict[str, str]] = {

@@ -111,7 +111,7 @@ class BatchArithmetic:
 
 
 class Continuation(str, Enum):
-    """How exactly a resumed run continues the sample stream of the run it resumes (README "Batch semantics").
+    """How exactly a resumed run continues the sample stream of the run it resumes (docs/batches.md).
 
     The sampler's state is a position in one global stream; what a resume keeps depends on the batch arithmetic
     before and after it. Members are ordered best first.

@@ -1,4 +1,4 @@
-"""Every example command in README.md, the conf/ comments and the scripts' docstrings works as documented.
+"""Every example command in README.md, docs/, the conf/ comments and the scripts' docstrings works as documented.
 
 The commands are extracted from the files, so a newly documented command is covered: each one-process training
 command runs for two steps (with overrides appended: two steps, the PushT slice, a tiny model), all of them in one
@@ -17,7 +17,9 @@ from pathlib import Path
 
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, clean_env, kill_tree
 
-DOCUMENTED = [REPO / "README.md", *sorted((REPO / "conf").rglob("*.yaml")), *sorted((REPO / "scripts").glob("*.py"))]
+# docs/errors.md quotes wrong inputs and error messages, not commands to run: tests/unit/test_bad_inputs.py runs them.
+DOCUMENTED = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "errors.md"),
+              *sorted((REPO / "conf").rglob("*.yaml")), *sorted((REPO / "scripts").glob("*.py"))]
 _COMMAND = re.compile(r"(?:python scripts/\w+\.py|torchrun|accelerate launch|lerobot-mg-[a-z-]+)(?=\s|$)")
 _TRAIN = ("python scripts/train.py", "lerobot-mg-train")
 
