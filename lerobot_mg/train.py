@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,11 +14,12 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from lerobot_mg.checkpoint import layout
-from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_resumable
+from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems
+from lerobot_mg.checkpoint.resume import ResumePoint, resume_point, training_step
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.config.validate import config_error, validate
+from lerobot_mg.config.validate import validate
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset, read_info
 from lerobot_mg.data.loader import one_pass
 from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
@@ -36,7 +37,7 @@ from lerobot_mg.peft.build import build_policy, describe_finetune, processors_di
 from lerobot_mg.peft.lora import AdapterWeights
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY, delta_timestamps
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
-from lerobot_mg.run_facts import CodeRevision, Progress, ResumeCause, RunFacts, from_dict
+from lerobot_mg.run_facts import CodeRevision, Progress, ResumeCause, RunFacts
 from lerobot_mg.step import Stepper
 from lerobot_mg.tracking import RunTracker
 
@@ -50,7 +51,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     validate(cfg, world_size)
     if cfg.torch_threads is not None:  # before any model exists; the sim evaluation at the end runs under it too
         torch.set_num_threads(cfg.torch_threads)
-    resume = _resume_point(cfg)  # before any process group: an unusable checkpoint stops the run here
+    # Before any process group: an unusable checkpoint stops the run here.
+    resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
     info = read_info(Path(cfg.dataset.root))  # the features a policy is built on and the fps of its sample offsets
     memory = plan_memory(cfg, dims, info["features"])  # from a meta-device policy: no memory, no process group
@@ -107,7 +109,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
                       uint8_keys=dataset.visual_keys)
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
-    save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
+    save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
 
     while progress.step < cfg.steps:
         waited_from = time.perf_counter()
@@ -119,9 +121,9 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         preempted = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
         if _is_save_step(cfg, progress.step, preempted):
             tracker.checkpoint()  # collective: the ledger is on disk up to every checkpoint
-            save_items.training_step = _training_step(progress, sampler, facts)
             # A preempted job's save must be on disk before it requeues.
-            checkpoints.save(progress.step, model, optimizer, save_items, blocking=preempted)  # collective
+            checkpoints.save(progress.step, model, optimizer, save_items,  # collective
+                             training_step(progress, sampler.state_dict(), facts), blocking=preempted)
         if preempted:
             tracker.close()
             preemption.requeue(output_dir, progress.step)  # does not return; the requeued job resumes from here
@@ -141,27 +143,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
 
 # --- the pieces train() calls ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a run resumes and what its training_step.json says."""
-
-    step_dir: Path
-    progress: Progress
-    sampler_state: dict[str, int]
-    facts: RunFacts  # the facts of the start that wrote the checkpoint
-
-
-def _resume_point(cfg: TrainConfig) -> ResumePoint | None:
-    if not cfg.resume:
-        return None
-    step_dir = layout.checkpoint_dir_from_config_path(Path(cfg.config_path))
-    saved = check_resumable(step_dir)  # training_step.json
-    if saved["step"] >= cfg.steps:
-        raise config_error("steps", cfg.steps, f"the checkpoint to resume is already at loop step {saved['step']}",
-                           f"steps=<more than {saved['step']}>")
-    return ResumePoint(step_dir, Progress(**saved["progress"]), saved["sampler"], from_dict(RunFacts, saved["facts"]))
 
 
 def _output_dir(cfg: TrainConfig, resume: ResumePoint | None, sweep_job: SweepJob | None, dims: ParallelDims) -> Path:
@@ -188,12 +169,6 @@ def _run_facts(cfg: TrainConfig, dims: ParallelDims, dataset: LeRobotDataset, po
         continuation=None if resume is None else Continuation.of_resume(resume.facts.batch, batch),
         resume_cause=None if resume is None else resume_cause,
     )
-
-
-def _training_step(progress: Progress, sampler: ResumableBatchSampler, facts: RunFacts) -> dict[str, Any]:
-    """training_step.json, a checkpoint's completion marker: where the loop is, and the facts it ran under."""
-    return {"step": progress.step, "progress": asdict(progress), "sampler": sampler.state_dict(),
-            "facts": asdict(facts)}
 
 
 def _is_save_step(cfg: TrainConfig, step: int, preempted: bool) -> bool:

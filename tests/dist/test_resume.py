@@ -7,7 +7,6 @@ Resumes run on copies of the reference runs of tests/dist/test_checkpoints.py (t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
 from lerobot_mg.checkpoint.state import read_json
 from tests.dist.test_checkpoints import REFERENCE_RUNS, SAVE_FREQ, copy_run, reference_run
-from tests.launch_utils import TINY_RUN, run_train
+from tests.launch_utils import run_train
 from tests.tolerances import assert_same_series
 
 pytestmark = pytest.mark.dist
@@ -44,7 +43,7 @@ _load = CheckpointManager.load
 
 
 def load_and_dump(self, step_dir, model, optimizer, scheduler, scaler):
-    info = _load(self, step_dir, model, optimizer, scheduler, scaler)
+    _load(self, step_dir, model, optimizer, scheduler, scaler)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -53,7 +52,6 @@ def load_and_dump(self, step_dir, model, optimizer, scheduler, scaler):
         dump_dir.mkdir(parents=True)
         save_file({k: v.clone().contiguous() for k, v in model_state.items()}, str(dump_dir / "model.safetensors"))
         save_file(flatten_optimizer_state(optimizer_state)[0], str(dump_dir / "optimizer.safetensors"))
-    return info
 
 
 CheckpointManager.load = load_and_dump

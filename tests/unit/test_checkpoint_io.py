@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
 from lerobot_mg.checkpoint.dcp_io import InPlaceFileSystemReader
-from lerobot_mg.checkpoint.manager import CheckpointManager, check_resumable
+from lerobot_mg.checkpoint.disk import DiskGuard
+from lerobot_mg.checkpoint.manager import CheckpointManager
+from lerobot_mg.checkpoint.resume import check_resumable
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.errors import ConfigError
 from tests.unit.test_checkpoint_layout import Run, train_one_step
@@ -76,7 +78,8 @@ class AsyncRun(Run):
                                          async_save=True)
 
 
-def test_async_save_writes_the_state_of_its_step_and_moves_last_once_written(tmp_path: Path) -> None:
+def test_async_save_writes_the_state_of_its_step_and_moves_last_once_written(tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
     run = AsyncRun(tmp_path)
     root = tmp_path / "checkpoints"
     run.save(1)
@@ -95,7 +98,8 @@ def test_async_save_writes_the_state_of_its_step_and_moves_last_once_written(tmp
     assert (root / ".tmp-000002").is_dir() and not step_dir.exists()
 
     release.set()
-    run.manager.wait()
+    with caplog.at_level(logging.INFO, logger="lerobot_mg.checkpoint.manager"):
+        run.manager.wait()
     assert os.readlink(root / "last") == "000002"
     check_resumable(step_dir)
     written = load_file(str(step_dir / "pretrained_model" / "model.safetensors"))
@@ -103,9 +107,9 @@ def test_async_save_writes_the_state_of_its_step_and_moves_last_once_written(tmp
     assert changed, "the step after the save changed no weight: the test would prove nothing"
     for key, value in at_save.items():
         assert torch.equal(written[key], value), key  # the staged copy, not the weights trained since
-    record = run.manager.saved[-1]
-    assert record["step"] == 2 and record["staged_bytes"] > 0
-    assert record["bytes"] == sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    on_disk = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    assert f"Checkpoint {step_dir}: {on_disk / 2**20:.2f} MiB written in " in caplog.text
+    assert " MiB staged in host memory)." in caplog.text  # the staged copy above is what was written
     run.manager.close()
 
 
@@ -118,7 +122,7 @@ def test_a_save_that_cannot_fit_stops_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"could not write checkpoint {tmp}: .* bytes free on its file system; it "
                                           rf"needs about {needed:,} bytes on this rank; the previous checkpoint "
                                           rf".*000001 is intact. Fix: free space"):
-        run.manager._check_free_space(tmp, needed)
+        DiskGuard(tmp_path / "checkpoints", ParallelDims.resolve(1, 1, 1)).check_free_space(tmp, needed)
     assert not tmp.exists()
     check_resumable(tmp_path / "checkpoints" / "last")
 

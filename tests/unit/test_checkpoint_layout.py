@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems, check_resumable
+from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems
+from lerobot_mg.checkpoint.resume import check_resumable
 from lerobot_mg.checkpoint.state import (
     capture_rng_state,
     flatten_optimizer_state,
@@ -64,8 +65,9 @@ class Run:
         train_one_step(self.policy, self.optimizer)
         info = {"step": step, "progress": asdict(Progress(step=step)), "sampler": {"epoch": 0, "position": step},
                 "facts": {"topology": {"dp_replicate": 1, "dp_shard": 1, "world_size": 1}}}
-        items = SaveItems(self.policy, None, None, None, None, {"steps": 10}, info)
-        return self.manager.save(step, self.policy, self.optimizer, items)
+        items = SaveItems(self.policy, None, None, None, None, {"steps": 10})
+        self.manager.save(step, self.policy, self.optimizer, items, info)
+        return self.manager.root / L.step_dir_name(step)
 
 
 def test_names_and_paths(tmp_path: Path) -> None:
@@ -141,9 +143,8 @@ def test_load_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
 
     fresh = Run(tmp_path / "other")
     torch.manual_seed(123)
-    info = fresh.manager.load(step_dir, fresh.policy, fresh.optimizer, None, None)
+    fresh.manager.load(step_dir, fresh.policy, fresh.optimizer, None, None)
 
-    assert info["step"] == 2
     assert torch.equal(torch.rand(3), after_save)  # the RNG continues where the saved run was
     for key, tensor in saved.policy.state_dict().items():
         assert torch.equal(fresh.policy.state_dict()[key], tensor), key

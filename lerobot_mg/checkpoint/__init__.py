@@ -1,0 +1,1 @@
+"""Saving, checking, resuming and converting checkpoints (file names in layout.py)."""
