@@ -17,11 +17,16 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 
 @dataclass
 class StepLogs:
-    losses: dict[str, float] = field(default_factory=dict)
-    synced: bool = False  # this loop step ended an accumulation window: an optimizer update was attempted
-    skipped: bool = False  # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank)
-    grad_norm: float = math.nan
-    lr: float = math.nan  # the learning rate this step's update used (before the scheduler stepped)
+    """What one loop step did; :meth:`Stepper.step` fills it in."""
+
+    losses: dict[str, float] = field(default_factory=dict, init=False)
+    # This loop step ended an accumulation window: an optimizer update was attempted ...
+    synced: bool = field(default=False, init=False)
+    # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank).
+    skipped: bool = field(default=False, init=False)
+    grad_norm: float = field(default=math.nan, init=False)
+    # The learning rate this step's update used (before the scheduler stepped).
+    lr: float = field(default=math.nan, init=False)
 
 
 def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collection[str] = ()) -> dict[str, Any]:
