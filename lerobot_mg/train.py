@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     if dims.is_main_process:
         _print_banner(cfg, facts, dataset, output_dir, progress)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
-                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank))  # LEROBOT_MG_FAULT
+                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank))
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config, {})
 
