@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,17 +12,21 @@ from accelerate import Accelerator
 from torch import nn
 
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
-from lerobot_mg.distributed.faults import FaultDrill
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 
 
 @dataclass
 class StepLogs:
-    losses: dict[str, float] = field(default_factory=dict)
-    synced: bool = False  # this loop step ended an accumulation window: an optimizer update was attempted
-    skipped: bool = False  # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank)
-    grad_norm: float = math.nan
-    lr: float = math.nan  # the learning rate this step's update used (before the scheduler stepped)
+    """What one loop step did; :meth:`Stepper.step` fills it in."""
+
+    losses: dict[str, float] = field(default_factory=dict, init=False)
+    # This loop step ended an accumulation window: an optimizer update was attempted ...
+    synced: bool = field(default=False, init=False)
+    # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank).
+    skipped: bool = field(default=False, init=False)
+    grad_norm: float = field(default=math.nan, init=False)
+    # The learning rate this step's update used (before the scheduler stepped).
+    lr: float = field(default=math.nan, init=False)
 
 
 def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collection[str] = ()) -> dict[str, Any]:
@@ -35,11 +39,15 @@ def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collectio
 
 
 class Stepper:
-    """Runs loop steps. Every method is collective: every rank calls it once per loop step."""
+    """Runs loop steps. Every method is collective: every rank calls it once per loop step.
+
+    ``after_backward``, if given, is called once per loop step between backward and the optimizer update (the
+    fault drills of :mod:`lerobot_mg.drills` act there)."""
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, grad_clip_norm: float,
-                 dims: ParallelDims, uint8_keys: Collection[str] = ()):
+                 dims: ParallelDims, uint8_keys: Collection[str] = (),
+                 after_backward: Callable[[], None] | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.preprocessor = preprocessor
         self.grad_clip_norm = grad_clip_norm  # optimizer.grad_clip_norm; 0 disables clipping
@@ -47,7 +55,7 @@ class Stepper:
         self.uint8_keys = tuple(uint8_keys)  # see to_device
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
-        self.drill = FaultDrill.from_env(dims.rank)  # None unless LEROBOT_MG_FAULT asks this rank to fail
+        self.after_backward = after_backward
 
     @property
     def lr(self) -> float:
@@ -60,8 +68,8 @@ class Stepper:
         with acc.accumulate(self.model):
             loss, policy_logs = self.model(batch)
             acc.backward(loss)
-            if self.drill is not None:
-                self.drill.after_backward()
+            if self.after_backward is not None:
+                self.after_backward()
             logs.synced = acc.sync_gradients
             if logs.synced:
                 logs.grad_norm = self._finish_gradients()

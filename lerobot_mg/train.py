@@ -27,6 +27,7 @@ from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, 
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.distributed.memory import check_fits, gather_rank_bytes, memory_budget, plan_memory
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
+from lerobot_mg.drills import fault_drill
 from lerobot_mg.launch.placement import record_placement
 from lerobot_mg.launch.preemption import PreemptionWatch
 from lerobot_mg.launch.run_dir import agree_on_output_dir
@@ -107,7 +108,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     if dims.is_main_process:
         _print_banner(cfg, facts, dataset, output_dir, progress)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
-                      uint8_keys=dataset.visual_keys)
+                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank))
     batches = _batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
 

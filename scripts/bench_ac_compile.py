@@ -27,8 +27,7 @@ import time
 from typing import Any
 
 import torch
-
-from lerobot_mg.benchmarking import BenchResult, report, run_on_ranks
+from benchmarking import BenchResult, report, run_on_ranks
 
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [14]},

@@ -33,8 +33,8 @@ from pathlib import Path
 import av
 import numpy as np
 import torch
+from benchmarking import BenchResult, GoalIs, report
 
-from lerobot_mg.benchmarking import BenchResult, GoalIs, report
 from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
 from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
 

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from benchmarking import BenchResult, GoalIs, report
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from lerobot_mg.benchmarking import BenchResult, GoalIs, report
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.dcp_io import InPlaceFileSystemReader
 from lerobot_mg.checkpoint.manager import CheckpointManager, SaveItems

@@ -21,8 +21,7 @@ import statistics
 import time
 
 import torch
-
-from lerobot_mg.benchmarking import BenchResult, report, run_on_ranks
+from benchmarking import BenchResult, report, run_on_ranks
 
 # The embedded ALOHA dataset's state-only features.
 FEATURES = {

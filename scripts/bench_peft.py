@@ -12,7 +12,7 @@ base a full fine-tuning run and a LoRA run (peft.r, the policy's default targets
 3. Parameter bytes per rank of the LoRA FSDP-2 run / the whole model's: each rank holds its shard of the frozen
    base. Goal <= 0.55 (limit 0.5 plus the adapters).
 
-Printed with the goal beside each figure (lerobot_mg/benchmarking.py) and written to outputs/bench/bench_peft.json as a
+Printed with the goal beside each figure (scripts/benchmarking.py) and written to outputs/bench/bench_peft.json as a
 list of {name, value, goal, unit, goal_is}.
 """
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lerobot_mg.benchmarking import BenchResult, report
+from benchmarking import BenchResult, report
 
 REPO = Path(__file__).resolve().parents[1]
 DATASET = REPO / "tests" / "fixtures" / "pusht_image_slice"  # a real LeRobot v3.0 dataset shipped with the repo

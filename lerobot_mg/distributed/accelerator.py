@@ -182,10 +182,10 @@ def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
 
 def prepare_units(
     accelerator: Accelerator, model: nn.Module, acc_cfg: AcceleratorConfig, dims: ParallelDims
-) -> list[str]:
+) -> None:
     """Apply, in this order, activation checkpointing, torch.compile and FSDP sharding to the units
-    :func:`plan_units` chooses, before ``accelerator.prepare`` wraps the root (FSDP2 or DDP). Returns the wrap
-    unit names. Collective: every rank must call it.
+    :func:`plan_units` chooses, before ``accelerator.prepare`` wraps the root (FSDP2 or DDP). Collective:
+    every rank must call it.
     """
     plan = plan_units(model, acc_cfg, dims.is_sharded)
     for _, block in plan.checkpointed:
@@ -197,7 +197,6 @@ def prepare_units(
     if accelerator.is_main_process:
         for line in plan.describe():
             logger.info(line)
-    return [name for name, _ in plan.units]
 
 
 def _shard(accelerator: Accelerator, model: nn.Module, units: list[tuple[str, nn.Module]], rule: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,8 @@ class RankBytes:
     parameters: int  # frozen and trainable
     trainable_parameters: int
     optimizer_state: int
-    gradients: int = 0
-    total: int = 0
+    gradients: int = field(init=False)
+    total: int = field(init=False)
 
     def __post_init__(self) -> None:
         # One trainable element, one gradient element of the same dtype (as backward allocates them).

@@ -34,10 +34,6 @@ class Topology:
         return self.dp_shard > 1
 
     @property
-    def is_hsdp(self) -> bool:
-        return self.layout == "hsdp"
-
-    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 

@@ -66,16 +66,16 @@ def mesh_groups(accelerator: Accelerator, dims: ParallelDims) -> tuple[list[list
     return rows, [list(column) for column in zip(*rows)]
 
 
-def record_placement(accelerator: Accelerator, dims: ParallelDims, output_dir: Path) -> Placement | None:
-    """Gather every rank's node and write ``placement.json`` (main process). Collective: every rank must call
-    it. Returns the placement on the main process, None elsewhere (and on one process)."""
+def record_placement(accelerator: Accelerator, dims: ParallelDims, output_dir: Path) -> None:
+    """Gather every rank's node and write ``placement.json`` (main process; nothing on one process).
+    Collective: every rank must call it."""
     if not dims.is_distributed:
-        return None
+        return
     mine = (node_rank(), socket.gethostname())
     gathered: list[tuple[int, str] | None] = [None] * dims.world_size
     dist.all_gather_object(gathered, mine)
     if not dims.is_main_process:
-        return None
+        return
     shard_groups, replicate_groups = mesh_groups(accelerator, dims)
     placement = Placement([g[0] for g in gathered], [g[1] for g in gathered], shard_groups,  # type: ignore[index]
                           replicate_groups)
@@ -88,4 +88,3 @@ def record_placement(accelerator: Accelerator, dims: ParallelDims, output_dir: P
             "ranks per node)", replicate_groups,
             "across nodes" if placement.replication_across_nodes else "not one replica per node",
         )
-    return placement

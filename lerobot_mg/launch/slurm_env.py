@@ -93,14 +93,14 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
-def export_torch_distributed_env(environ: MutableMapping[str, str] = os.environ) -> SlurmTask | None:
-    """Export this SLURM task's torch.distributed variables; returns the task (None: not an srun task, or the
+def export_torch_distributed_env(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Export this SLURM task's torch.distributed variables (nothing where this is not an srun task, or the
     ranks' own launcher already set them). Call before anything touches torch.distributed."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return None
+        return
     task = SlurmTask.from_environ(environ)
     if task is None:
-        return None
+        return
     if task.gpus_on_node == 0:
         environ["CUDA_VISIBLE_DEVICES"] = ""  # no GPU allocated on this node: use none, whatever the node has
     elif task.local_world_size > task.gpus_on_node:
@@ -109,4 +109,3 @@ def export_torch_distributed_env(environ: MutableMapping[str, str] = os.environ)
             "task per GPU. Fix: hydra.launcher.tasks_per_node=<GPUs per node> (or srun --ntasks-per-node=<GPUs>)"
         )
     environ.update(task.torch_environ())
-    return task

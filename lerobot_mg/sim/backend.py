@@ -39,8 +39,8 @@ def require_sim() -> None:
 
 
 @functools.cache
-def configure_headless_rendering() -> str:
-    """Sets ``MUJOCO_GL`` to the first headless backend that can create a context; returns it.
+def configure_headless_rendering() -> None:
+    """Sets ``MUJOCO_GL`` to the first headless backend that can create a context.
 
     A value the user set is kept. Each candidate is probed in a subprocess because a failed GL
     initialisation cannot be undone in this one. When nothing renders, rendering is disabled so
@@ -48,16 +48,15 @@ def configure_headless_rendering() -> str:
     then explains what to install.
     """
     if "MUJOCO_GL" in os.environ:
-        return os.environ["MUJOCO_GL"]
+        return
     if "mujoco" in sys.modules:
         # Too late to choose: mujoco has already read the (unset) variable.
-        return ""
+        return
     for backend in _HEADLESS_BACKENDS:
         if _backend_works(backend):
             os.environ["MUJOCO_GL"] = backend
-            return backend
+            return
     os.environ["MUJOCO_GL"] = _NO_RENDERING
-    return _NO_RENDERING
 
 
 def assert_rendering_available() -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lerobot_mg.sim.env import EPISODE_LENGTH, MAX_REWARD, TransferCubeSim
+from lerobot_mg.sim.env import EPISODE_LENGTH, TransferCubeSim
 
 # Where the two grippers meet, in the world frame (metres).
 MEET_XYZ = np.array([0.0, 0.5, 0.25])
@@ -31,14 +31,7 @@ class Waypoint:
 
 @dataclass(frozen=True)
 class ExpertDemo:
-    seed: int
-    cube_pose_7: np.ndarray
     joint_actions_TA: np.ndarray  # (EPISODE_LENGTH, 14)
-    max_reward: int  # reached during the end-effector rollout
-
-    @property
-    def succeeded(self) -> bool:
-        return self.max_reward == MAX_REWARD
 
 
 def quat_multiply(a_wxyz: np.ndarray, b_wxyz: np.ndarray) -> np.ndarray:
@@ -126,7 +119,6 @@ def record_expert_demo(seed: int, sim: TransferCubeSim | None = None) -> ExpertD
     left, right = plan_waypoints(cube_pose_7[:3], observation.mocap_left_7, observation.mocap_right_7)
 
     joint_actions = []
-    max_reward = 0
     for step in range(EPISODE_LENGTH):
         # The joint action for this step is where the expert's arms are now; the gripper entries
         # are the commanded opening, not the measured one, which lags the command.
@@ -135,8 +127,5 @@ def record_expert_demo(seed: int, sim: TransferCubeSim | None = None) -> ExpertD
         joints_14[13] = normalize_puppet_gripper_position(observation.gripper_ctrl_4[2])
         joint_actions.append(joints_14)
         command = np.concatenate([interpolate(left, step), interpolate(right, step)])
-        observation, reward = sim.step(command)
-        max_reward = max(max_reward, reward)
-    return ExpertDemo(
-        seed=seed, cube_pose_7=cube_pose_7, joint_actions_TA=np.stack(joint_actions), max_reward=max_reward
-    )
+        observation, _ = sim.step(command)
+    return ExpertDemo(joint_actions_TA=np.stack(joint_actions))

@@ -1,7 +1,7 @@
 """Fault drills on real process groups: a rank that raises or is SIGKILLed mid-training.
 
 The fault is injected by the run itself at an exact rank and loop step (``LEROBOT_MG_FAULT``,
-lerobot_mg/distributed/faults.py), so no test races a timer. Each drill checks that the launcher exits non-zero
+lerobot_mg/drills.py), so no test races a timer. Each drill checks that the launcher exits non-zero
 within 60 s of the fault (with the default ``accelerator.process_group_timeout_s``, so nothing waits on a
 collective timeout), that no process of the run is left, and that ``resume=true`` from the last complete
 checkpoint ends on the weights of an uninterrupted run of the same configuration: the reference runs that
@@ -22,10 +22,18 @@ import pytest
 import torch
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.distributed.faults import FAULT_ENV
+from lerobot_mg.drills import FAULT_ENV
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
 from tests.dist.test_checkpoints import REFERENCE_RUNS, SAVE_FREQ, reference_run
-from tests.launch_utils import TINY_RUN, clean_env, descendants, kill_tree, last_weights, launch_command, run_train
+from tests.launch_utils import (
+    TINY_RUN,
+    clean_env,
+    descendants,
+    kill_tree,
+    last_weights,
+    launch_command,
+    run_train,
+)
 
 if TYPE_CHECKING:
     from tests.dist.conftest import Run

@@ -49,6 +49,7 @@ from lerobot_mg.distributed.accelerator import (
     prepare_units,
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.wrap import plan_units
 from lerobot_mg.step import Stepper
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
 from tests.launch_utils import PYTHON, REPO, clean_env, free_port, interval_metrics, last_weights, run_train
@@ -178,7 +179,8 @@ def scenario_wrap_checks_and_reduce_dtype() -> dict[str, Any]:
     torch.manual_seed(0)
     model = ToyPolicy()
     recorder = ReduceDtypeRecorder()
-    units = prepare_units(accelerator, model, cfg.accelerator, dims)
+    units = [name for name, _ in plan_units(model, cfg.accelerator, dims.is_sharded).units]
+    prepare_units(accelerator, model, cfg.accelerator, dims)
     for unit in units:
         model.get_submodule(unit).set_custom_reduce_scatter(recorder)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -149,6 +149,7 @@ from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.wrap import plan_units
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.registry import make_policy
 
@@ -163,7 +164,8 @@ policy = make_policy(ACTConfig(observation_keys=["observation.state"], chunk_siz
                                n_heads=4, dim_feedforward=128, n_encoder_layers=2, n_vae_encoder_layers=2), features)
 full = {n: list(p.shape) for n, p in policy.named_parameters()}
 block_units = sorted(n for n, m in policy.named_modules() if type(m).__name__ in policy._fsdp_wrap_modules)
-units = prepare_units(accelerator, policy, acc_cfg, dims)
+units = [name for name, _ in plan_units(policy, acc_cfg, dims.is_sharded).units]
+prepare_units(accelerator, policy, acc_cfg, dims)
 model, _ = accelerator.prepare(policy, torch.optim.AdamW(policy.parameters()))
 mesh = accelerator.torch_device_mesh
 fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from lerobot_mg.data.testing import TinyDataset, write_tiny_dataset
+from tests.data_aids import TinyDataset, write_tiny_dataset
 
 
 @pytest.fixture

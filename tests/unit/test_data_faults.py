@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
-from lerobot_mg.data.testing import (
+from lerobot_mg.errors import ConfigError
+from tests.data_aids import (
     IMAGE_KEY,
     TINY_FPS,
     VIDEO_KEY,
@@ -25,7 +26,6 @@ from lerobot_mg.data.testing import (
     TinyDataset,
     smooth_video_frame,
 )
-from lerobot_mg.errors import ConfigError
 from tests.launch_utils import (
     REPO,
     TINY_RUN,

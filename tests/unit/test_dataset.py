@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
-from lerobot_mg.data.testing import (
+from lerobot_mg.policies.base import features_from_dataset
+from tests.data_aids import (
     IMAGE_KEY,
     TINY_EPISODE_LENGTHS,
     TINY_FPS,
@@ -16,7 +17,6 @@ from lerobot_mg.data.testing import (
     tiny_features,
     write_tiny_dataset,
 )
-from lerobot_mg.policies.base import features_from_dataset
 from tests.launch_utils import PUSHT_SLICE
 
 NUMERIC_KEYS = ("observation.state", "action", "observation.environment_state")

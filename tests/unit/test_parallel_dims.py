@@ -43,10 +43,10 @@ def test_layout_flags_and_descriptions() -> None:
     fsdp = ParallelDims.resolve(1, -1, 2)
     hsdp = ParallelDims.resolve(2, 2, 4)
 
-    assert (single.is_distributed, single.is_sharded, single.is_hsdp) == (False, False, False)
-    assert (ddp.is_distributed, ddp.is_sharded, ddp.is_hsdp) == (True, False, False)
-    assert (fsdp.is_distributed, fsdp.is_sharded, fsdp.is_hsdp) == (True, True, False)
-    assert (hsdp.is_distributed, hsdp.is_sharded, hsdp.is_hsdp) == (True, True, True)
+    assert (single.is_distributed, single.is_sharded, single.dp_replicate, single.dp_shard) == (False, False, 1, 1)
+    assert (ddp.is_distributed, ddp.is_sharded, ddp.dp_replicate, ddp.dp_shard) == (True, False, 4, 1)
+    assert (fsdp.is_distributed, fsdp.is_sharded, fsdp.dp_replicate, fsdp.dp_shard) == (True, True, 1, 2)
+    assert (hsdp.is_distributed, hsdp.is_sharded, hsdp.dp_replicate, hsdp.dp_shard) == (True, True, 2, 2)
 
     assert single.describe() == "single process"
     assert ddp.describe() == "DDP: 4 replicas"

@@ -1,4 +1,4 @@
-"""Builders for small LeRobot v3.0 datasets written with our writer, for tests across the project."""
+"""Builders for small LeRobot v3.0 datasets written with lerobot_mg's writer, for the tests."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""What the benchmark scripts share: figures printed with their goal beside them and written to
-``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the
-value is meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported
-without a goal), and a launcher for measurements on 2 gloo ranks."""
+"""What the benchmark scripts (scripts/bench_*.py) share: figures printed with their goal beside them and
+written to ``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a
+bound the value is meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a
+figure reported without a goal), and a launcher for measurements on 2 gloo ranks."""
 
 from __future__ import annotations
 

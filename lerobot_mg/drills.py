@@ -1,0 +1,68 @@
+"""Fault drills: a run that breaks itself on purpose, at a chosen rank and loop step, so tests (and a user who
+wants to see what a dead rank does to their cluster) can watch the launcher's reaction without racing a timer.
+
+``LEROBOT_MG_FAULT=<action>@rank<R>:step<N>`` (read here and nowhere else) makes rank ``R`` act during its ``N``-th
+loop step, after that step's backward and before its optimizer update: with ``gradient_accumulation.steps > 1`` a
+step that does not end an accumulation window is a kill mid-accumulation. The steps count from this process's
+start (a resumed process counts from its first step). Actions:
+
+- ``kill``: the rank sends itself SIGKILL (no handler, no cleanup: a machine that loses a process);
+- ``raise``: the rank raises :class:`FaultDrillError` (a bug in the middle of training).
+
+Before acting, the rank prints one line naming the rank and the step to stderr. ``train()`` passes the drill to
+the :class:`~lerobot_mg.step.Stepper` as its ``after_backward`` hook; without the variable there is no hook.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+FAULT_ENV = "LEROBOT_MG_FAULT"
+_SPEC = re.compile(r"(?P<action>\w+)@rank(?P<rank>\d+):step(?P<step>\d+)")
+
+
+class FaultAction(enum.Enum):
+    KILL = "kill"
+    RAISE = "raise"
+
+
+class FaultDrillError(RuntimeError):
+    """The exception a ``raise`` drill injects: not a user error, so it keeps its traceback."""
+
+
+@dataclass
+class FaultDrill:
+    action: FaultAction
+    rank: int
+    step: int  # 1-based loop step of this process
+    _steps_seen: int = field(default=0, init=False, repr=False)
+
+    def after_backward(self) -> None:
+        """Called once per loop step, between backward and the optimizer update; acts on the drill's step."""
+        self._steps_seen += 1
+        if self._steps_seen != self.step:
+            return
+        print(f"fault drill: rank {self.rank} {self.action.value}s at loop step {self.step} ({FAULT_ENV})",
+              file=sys.stderr, flush=True)
+        if self.action is FaultAction.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise FaultDrillError(f"fault drill: injected failure on rank {self.rank} at loop step {self.step}")
+
+
+def fault_drill(rank: int) -> Callable[[], None] | None:
+    """The ``after_backward`` hook ``LEROBOT_MG_FAULT`` asks of this rank, or None (no variable, another rank)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    match = _SPEC.fullmatch(spec.strip())
+    if match is None or match["action"] not in {a.value for a in FaultAction}:
+        # A typo would silently run the drill-free job the user did not mean to run.
+        raise RuntimeError(f"{FAULT_ENV}={spec!r}: expected <kill|raise>@rank<R>:step<N>, e.g. kill@rank1:step5")
+    drill = FaultDrill(FaultAction(match["action"]), int(match["rank"]), int(match["step"]))
+    return drill.after_backward if drill.rank == rank else None
