@@ -48,8 +48,10 @@ test-fast: setup
 bench: setup
 	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# Style (ruff) and the layers contract (.importlinter): imports point down the layers.
 lint: setup
 	$(PY) -m ruff check lerobot_mg scripts tests
+	$(VENV)/bin/lint-imports --no-cache
 
 # A real 2-node SLURM cluster on this machine (root; installs Debian's slurm + munge where missing; idempotent), to
 # try `-m hydra/launcher=slurm` before a real cluster. The SLURM tests use it (in CI they fail without it).
