@@ -52,8 +52,10 @@ bench: setup
 	@for b in scripts/bench_*.py; do [ $$b = scripts/bench_report.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
 	$(PY) scripts/bench_report.py
 
+# Style (ruff) and the layers contract (.importlinter): imports point down the layers.
 lint: setup
 	$(PY) -m ruff check lerobot_mg scripts tests
+	$(VENV)/bin/lint-imports --no-cache
 
 # A real 2-node SLURM cluster on this machine (root; installs Debian's slurm + munge where missing; idempotent), to
 # try `-m hydra/launcher=slurm` before a real cluster. The SLURM tests use it (in CI they fail without it).

@@ -7,6 +7,18 @@ bad value somewhere (an override, a path, a file's contents), so callers that al
 
 from __future__ import annotations
 
+import sys
+
 
 class ConfigError(ValueError):
     """A user error: the message names what is wrong (the dotted key, the value, the file) and how to fix it."""
+
+
+def config_error(key: str, value: object, problem: str, fix: str) -> ConfigError:
+    """The user error in the one style every message follows: ``key=value: problem. Fix: override``."""
+    return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")
+
+
+def report_user_error(error: ConfigError, command: str = "lerobot-mg-train") -> None:
+    """The one line a user error prints (the command then exits with status 2)."""
+    print(f"{command}: error: {error}", file=sys.stderr, flush=True)

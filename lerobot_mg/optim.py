@@ -3,22 +3,12 @@ processes or accumulation steps, and is never scaled with the effective batch.""
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-from dataclasses import replace
 
 import torch
 from torch import nn
 
 from lerobot_mg.config.schema import OptimizerConfig, SchedulerConfig
-
-logger = logging.getLogger(__name__)
-
-# A warm-up the user did not type (a preset's, e.g. conf/scheduler/cosine.yaml's 100 steps, written for the default
-# 2,000-step run) takes at most this share of the run: a short debug run (steps=8) or a shorter run than the preset
-# had in mind scales it down instead of failing, as LeRobot's cosine scheduler scales its warm-up to a short run.
-MAX_DEFAULT_WARMUP_SHARE = 0.1
 
 
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -39,22 +29,6 @@ def lr_factor(cfg: SchedulerConfig, step: int, total_steps: int) -> float:
     progress = (step - cfg.num_warmup_steps) / max(1, total_steps - cfg.num_warmup_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
-
-
-def fit_warmup(cfg: SchedulerConfig, steps: int, typed: bool) -> SchedulerConfig:
-    """``cfg`` with a warm-up the user did not type scaled down to ``MAX_DEFAULT_WARMUP_SHARE`` of ``steps``
-    where it is longer (and the change logged); a typed warm-up is kept as typed (validation refuses one that
-    does not fit)."""
-    fitted = int(steps * MAX_DEFAULT_WARMUP_SHARE)
-    if typed or cfg.type == "none" or cfg.num_warmup_steps <= fitted:
-        return cfg
-    if os.environ.get("RANK", "0") == "0":
-        logger.info(
-            "scheduler.num_warmup_steps=%d (not typed: the preset's) is more than %d%% of steps=%d: scaled down to "
-            "%d warm-up steps. Type scheduler.num_warmup_steps=<N> to choose it yourself.",
-            cfg.num_warmup_steps, round(100 * MAX_DEFAULT_WARMUP_SHARE), steps, fitted,
-        )
-    return replace(cfg, num_warmup_steps=fitted)
 
 
 def make_scheduler(

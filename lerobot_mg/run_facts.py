@@ -13,12 +13,14 @@ import functools
 import subprocess
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims, Topology
 
 T = TypeVar("T")
 _REPO_DIR = Path(__file__).resolve().parents[1]  # the checkout this package runs from
@@ -97,6 +99,22 @@ class RunFacts:
     resumed_from: str | None = None  # the checkpoint this start resumed; None for a fresh start
     continuation: Continuation | None = None  # how exactly that resume continues the sample stream
     resume_cause: ResumeCause | None = None  # why it resumed
+
+    @classmethod
+    def collect(cls, cfg: TrainConfig, dims: ParallelDims, *, dataset_fingerprint: str, lr_schedule: dict,
+                model: dict, rank_bytes: Sequence[dict], resumed: tuple[Path, RunFacts] | None,
+                resume_cause: ResumeCause | None) -> RunFacts:
+        """The facts of this start (the code revision is asked of git here, once per start); ``resumed``: the
+        checkpoint this start continues and the facts of the start that wrote it."""
+        batch = BatchArithmetic(cfg.batch_size, dims.dp_world_size, cfg.accelerator.gradient_accumulation.steps)
+        return cls(
+            batch=batch, topology=dims.topology, precision=str(cfg.accelerator.mixed_precision),
+            checkpoint_format=str(cfg.checkpoint.format), code_revision=CodeRevision.of_checkout(),
+            dataset_fingerprint=dataset_fingerprint, lr_schedule=lr_schedule, model=model,
+            rank_bytes=tuple(rank_bytes), resumed_from=None if resumed is None else str(resumed[0]),
+            continuation=None if resumed is None else Continuation.of_resume(resumed[1].batch, batch),
+            resume_cause=None if resumed is None else resume_cause,
+        )
 
     def changes_since(self, before: RunFacts) -> tuple[FactChange, ...]:
         """The facts that differ from ``before``'s (the start this one resumed). Where from, how exactly and why a

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, report_user_error
 
 logger = logging.getLogger("lerobot_mg.train")
 
@@ -26,14 +26,13 @@ def train() -> None:
     from lerobot_mg.config import register_configs
     from lerobot_mg.config.loading import (
         CONF_DIR,
-        apply_policy_path,
         check_presets,
         merge_resume_config,
         normalize_argv,
         override_keys,
         run_config,
     )
-    from lerobot_mg.config.validate import report_user_error
+    from lerobot_mg.peft.base import apply_policy_path
 
     sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
     try:  # before Hydra composes: it would list the presets over several lines and exit 1

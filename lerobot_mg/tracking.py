@@ -4,6 +4,7 @@ progress bar."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import replace
@@ -14,11 +15,15 @@ import numpy as np
 import torch
 
 from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest
-from lerobot_mg.config.schema import LoggingConfig
+from lerobot_mg.checkpoint.resume import ResumePoint
+from lerobot_mg.config.schema import LoggingConfig, TrainConfig
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.distributed.metrics import IntervalMetrics, WandbLogger
-from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
 from lerobot_mg.run_facts import Progress, RunFacts
 from lerobot_mg.step import StepLogs
+
+logger = logging.getLogger("lerobot_mg.train")
 
 DATA_WAIT_KEY = "data_wait_s"  # seconds the loop waited for batches in a log interval (mean over ranks)
 _DIGEST_BITS = 48  # a float64 holds a sum of two 24-bit halves over up to 2**29 ranks exactly
@@ -158,3 +163,35 @@ class RunTracker:
             self._bar.close()
         self.ledger.close()
         self.wandb.close()
+
+
+def log_resume(resume: ResumePoint, facts: RunFacts, position: str) -> None:
+    """How exactly the sample stream continues, and every fact that changed since the checkpoint's start."""
+    continuation = facts.continuation or Continuation.SAMPLE_EXACT
+    # Anything but a sample-exact continuation changes what each rank trains on: say so loudly.
+    level = logging.INFO if continuation is Continuation.SAMPLE_EXACT else logging.WARNING
+    logger.log(level, "Data sampler resumed %s at %s: %s.", continuation.value, position, continuation.describe())
+    for change in facts.changes_since(resume.facts):
+        logger.warning("%s.", change.describe(f"at resume (step {resume.progress.step})"))
+
+
+def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, output_dir: Path,
+                  progress: Progress) -> None:
+    num_params, num_trainable = facts.model["total_params"], facts.model["trainable_params"]
+    per_rank = ", ".join(f"{held['parameters'] / 2**20:.2f}" for held in facts.rank_bytes)
+    lines = [f"lerobot_mg train: {cfg.job_name} -> {output_dir}", *(f"  {line}" for line in facts.describe()),
+             f"  steps: {cfg.steps} loop steps = {facts.batch.sample_presentations(cfg.steps)} sample presentations, "
+             f"{facts.batch.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
+             f"  policy: {cfg.policy.type} ({num_params:,} params, {num_trainable:,} trainable = "
+             f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} ({len(dataset)} frames, "
+             f"{dataset.num_episodes} episodes)",
+             f"  parameter MiB per rank: [{per_rank}]"]
+    if facts.model["base_model_path"] is not None:
+        peft = facts.model["peft"]
+        how = (f"{peft['method_type']} r={peft['r']} lora_alpha={peft['lora_alpha']:g} on {peft['target_modules']}"
+               f", full training {peft['full_training_modules']}" if peft else "full fine-tuning")
+        lines.append(f"  base model: {facts.model['base_model_path']} ({how})")
+    if facts.continuation is not None and facts.resume_cause is not None:
+        lines.append(f"  resumed at loop step {progress.step} from {facts.resumed_from} ({facts.resume_cause.value}): "
+                     f"{facts.continuation.value}")
+    print("\n".join(lines), flush=True)

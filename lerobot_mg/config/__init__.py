@@ -1,6 +1,6 @@
-"""Config schemas, composition helpers and validation."""
+"""Config schemas, composition helpers and the config's own consistency checks (no other part of the package)."""
 
 from lerobot_mg.config.schema import TrainConfig, register_configs
-from lerobot_mg.config.validate import config_error, resolve_dp_degrees, validate
+from lerobot_mg.config.validate import validate
 
-__all__ = ["TrainConfig", "config_error", "register_configs", "resolve_dp_degrees", "validate"]
+__all__ = ["TrainConfig", "register_configs", "validate"]

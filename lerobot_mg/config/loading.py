@@ -1,22 +1,26 @@
-"""Composition helpers: the conf/ location, LeRobot-style ``--key=value`` arguments, resume merging."""
+"""Composition helpers: the conf/ location, LeRobot-style ``--key=value`` arguments, the typed run config, resume
+merging."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
-from lerobot_mg.config.validate import check_resume_request, config_error
-from lerobot_mg.errors import ConfigError
-from lerobot_mg.optim import fit_warmup
+from lerobot_mg.config.schema import REPO_ROOT, SchedulerConfig, TrainConfig
+from lerobot_mg.config.validate import check_resume_request
+from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.registry import get_policy_class
 
 CONF_DIR = REPO_ROOT / "conf"
+logger = logging.getLogger(__name__)
 
 # Hydra's own long options; everything else spelled `--a.b=c` is a config override.
 _HYDRA_FLAGS = {
@@ -26,6 +30,12 @@ _HYDRA_FLAGS = {
 _DOTTED_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
 # The guide's flat spellings of keys that live in a config group here.
 _ALIASES = {"checkpoint_format": "checkpoint.format", "save_freq": "checkpoint.save_freq"}
+
+# A warm-up the user did not type (a preset's, e.g. conf/scheduler/cosine.yaml's 100 steps, written for the default
+# 2,000-step run) takes at most this share of the run: a short debug run (steps=8) or a shorter run than the preset
+# had in mind scales it down instead of failing, as LeRobot's cosine scheduler scales its warm-up to a short run.
+MAX_DEFAULT_WARMUP_SHARE = 0.1
+
 
 # The RunFacts block of train_config.json (for readers); not part of the schema.
 DERIVED_KEY = "run_facts"
@@ -87,6 +97,22 @@ def run_config(composed: DictConfig, typed_keys: frozenset[str]) -> TrainConfig:
     return cfg
 
 
+def fit_warmup(cfg: SchedulerConfig, steps: int, typed: bool) -> SchedulerConfig:
+    """``cfg`` with a warm-up the user did not type scaled down to ``MAX_DEFAULT_WARMUP_SHARE`` of ``steps``
+    where it is longer (and the change logged); a typed warm-up is kept as typed (validation refuses one that
+    does not fit)."""
+    fitted = int(steps * MAX_DEFAULT_WARMUP_SHARE)
+    if typed or cfg.type == "none" or cfg.num_warmup_steps <= fitted:
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        logger.info(
+            "scheduler.num_warmup_steps=%d (not typed: the preset's) is more than %d%% of steps=%d: scaled down to "
+            "%d warm-up steps. Type scheduler.num_warmup_steps=<N> to choose it yourself.",
+            cfg.num_warmup_steps, round(100 * MAX_DEFAULT_WARMUP_SHARE), steps, fitted,
+        )
+    return replace(cfg, num_warmup_steps=fitted)
+
+
 def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
@@ -145,24 +171,3 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
     merged.resume = True
     merged.config_path = composed.config_path
     return merged
-
-
-def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
-    """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
-    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does. The path
-    is made absolute (``last`` resolved to its step), so a resume from another directory finds the same base."""
-    from lerobot_mg.peft.base import check_policy_path, read_policy_config
-
-    check_policy_path(str(composed.policy.path))
-    path = str(Path(composed.policy.path).resolve())
-    kept = {
-        key: OmegaConf.select(composed, key) for key in override_keys(overrides)
-        if key.startswith("policy.") and key != "policy.path"
-    }
-    saved = read_policy_config(path)
-    if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
-        composed.policy = OmegaConf.structured(get_policy_class(str(saved["type"])).config_class)
-    base = {f"policy.{name}": value for name, value in saved.items()}
-    for key, value in {**base, "policy.path": path, **kept}.items():
-        OmegaConf.update(composed, key, value, merge=False)
-    return composed

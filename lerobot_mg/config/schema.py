@@ -100,6 +100,10 @@ class CheckpointConfig:
     # training continues; `last` moves once the write finished. Every format.
     async_save: bool = False
 
+    def is_save_step(self, step: int, steps: int, preempted: bool) -> bool:
+        """Every ``save_freq`` loop steps, at the last one and on preemption (all on optimizer-update boundaries)."""
+        return self.save_checkpoint and (preempted or step % self.save_freq == 0 or step == steps)
+
 
 @dataclass
 class DatasetConfig:

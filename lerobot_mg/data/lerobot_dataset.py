@@ -24,7 +24,6 @@ step with the file named.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -39,50 +38,18 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from lerobot_mg.data.meta import (
+    DATA_PATH,
+    DEFAULT_FEATURES,
+    INFO_PATH,
+    REDOWNLOAD_ADVICE,
+    STATS_PATH,
+    TASKS_PATH,
+    VIDEO_PATH,
+    DatasetMeta,
+)
 from lerobot_mg.data.video import VideoFrameReader, video_frame_count
 from lerobot_mg.errors import ConfigError
-
-CODEBASE_VERSION = "v3.0"
-INFO_PATH = "meta/info.json"
-STATS_PATH = "meta/stats.json"
-TASKS_PATH = "meta/tasks.parquet"
-EPISODES_DIR = "meta/episodes"
-EPISODES_PATH = EPISODES_DIR + "/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
-# Values LeRobot writes into info.json (utils.py: DEFAULT_CHUNK_SIZE, DEFAULT_*_FILE_SIZE_IN_MB).
-CHUNKS_SIZE = 1000
-DATA_FILES_SIZE_IN_MB = 100
-VIDEO_FILES_SIZE_IN_MB = 500
-DEFAULT_FEATURES: dict[str, dict] = {
-    "timestamp": {"dtype": "float32", "shape": [1], "names": None},
-    "frame_index": {"dtype": "int64", "shape": [1], "names": None},
-    "episode_index": {"dtype": "int64", "shape": [1], "names": None},
-    "index": {"dtype": "int64", "shape": [1], "names": None},
-    "task_index": {"dtype": "int64", "shape": [1], "names": None},
-}
-
-
-def read_info(root: Path) -> dict:
-    """meta/info.json of a LeRobot v3.x dataset; a ConfigError names the version of an older one."""
-    info = json.loads((Path(root) / INFO_PATH).read_text())
-    version = str(info.get("codebase_version"))
-    if not version.startswith("v3."):
-        raise ConfigError(
-            f"dataset.root={str(root)!r}: is a LeRobot {version} dataset (meta/info.json codebase_version); this "
-            "reader reads v3.0 only. Fix: convert it with LeRobot's v2.1 -> v3.0 conversion script "
-            "(python -m lerobot.datasets.v30.convert_dataset_v21_to_v30), or dataset.root=<a v3.0 dataset>"
-        )
-    return info
-
-
-def episode_lengths(root: Path) -> dict[int, int]:
-    """Frames per episode, from the episodes table alone (no frame is read)."""
-    lengths: dict[int, int] = {}
-    for path in sorted((Path(root) / EPISODES_DIR).glob("chunk-*/file-*.parquet")):
-        table = pq.read_table(path, columns=["episode_index", "length"])
-        lengths.update(zip(table.column("episode_index").to_pylist(), table.column("length").to_pylist()))
-    return lengths
 
 
 def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
@@ -110,10 +77,6 @@ def _visual_tensor(frames_THWC: np.ndarray, uint8: bool) -> torch.Tensor:
     return frames if uint8 else frames.float().div_(255.0)
 
 
-_REDOWNLOAD = ("download the dataset again (e.g. `huggingface-cli download --repo-type dataset <repo_id> "
-               "--local-dir <root>`) or regenerate it")
-
-
 class LeRobotDataset(torch.utils.data.Dataset):
     """Frames of a local LeRobot v3.0 dataset as dicts of tensors.
 
@@ -129,23 +92,19 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        root: str | Path,
+        root: str | Path | DatasetMeta,
         delta_timestamps: dict[str, list[float]] | None = None,
         episodes: list[int] | None = None,
         tolerance_s: float = 1e-4,
         keys: Collection[str] | None = None,
         uint8_visuals: bool = False,
     ) -> None:
-        self.root = Path(root)
-        info_path = self.root / INFO_PATH
-        if not info_path.is_file():
-            raise ValueError(
-                f"{info_path} does not exist: {self.root} is not a LeRobot dataset (or its writer did not "
-                "finish). Point the dataset root at a folder with meta/info.json."
-            )
-        self.info: dict = read_info(self.root)
-        self.fps = int(self.info["fps"])
-        self.features: dict[str, dict] = self.info["features"]
+        # The metadata a start already read (preflight) is passed in, so its files are not read again.
+        self.meta = root if isinstance(root, DatasetMeta) else DatasetMeta.read(root)
+        self.root = self.meta.root
+        self.info: dict = self.meta.info
+        self.fps = self.meta.fps
+        self.features: dict[str, dict] = self.meta.features
         self.tolerance_s = tolerance_s
         self.uint8_visuals = uint8_visuals
         self.read_keys = self._read_keys(keys)
@@ -155,18 +114,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._task_names = self._load_tasks()
         self.delta_indices = self._delta_indices(delta_timestamps or {})
 
-        episodes_table = self._load_episodes_table()
-        available = episodes_table.column("episode_index").to_pylist()
-        if episodes is not None:
-            unknown = sorted(set(episodes) - set(available))
-            if unknown:
-                raise ConfigError(
-                    f"episodes={episodes} asks for episodes {unknown}, which {self.root} does not have; "
-                    f"it has episodes {available[0]}..{available[-1]} ({len(available)} in all). Fix: "
-                    "dataset.episodes=null (all of them) or a list of episodes it has."
-                )
-            mask = pc.is_in(episodes_table.column("episode_index"), value_set=pa.array(sorted(set(episodes))))
-            episodes_table = episodes_table.filter(mask)
+        episodes_table = self.meta.select(episodes)
         self.episode_indices: list[int] = episodes_table.column("episode_index").to_pylist()
         self.num_episodes = len(self.episode_indices)
         self._load_frames(episodes_table)
@@ -215,23 +163,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         else:
             raise ConfigError(
                 f"{self.root / TASKS_PATH} has columns {table.column_names}; expected the task strings in a "
-                "'task' or '__index_level_0__' column next to 'task_index'. Fix: " + _REDOWNLOAD + "."
+                "'task' or '__index_level_0__' column next to 'task_index'. Fix: " + REDOWNLOAD_ADVICE + "."
             )
         return dict(zip(table.column("task_index").to_pylist(), tasks))
-
-    def _load_episodes_table(self) -> pa.Table:
-        paths = sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
-        if not paths:
-            raise ConfigError(
-                f"no episodes table under {self.root / EPISODES_DIR}; the dataset is incomplete. Fix: {_REDOWNLOAD}."
-            )
-        tables = []
-        for path in paths:
-            # The per-episode stats columns are large and unused here.
-            names = [name for name in pq.read_schema(path).names if not name.startswith("stats/")]
-            tables.append(pq.read_table(path, columns=names))
-        table = pa.concat_tables(tables, promote_options="permissive")
-        return table.sort_by("episode_index")
 
     def _load_frames(self, episodes_table: pa.Table) -> None:
         data_files = sorted(
@@ -290,7 +224,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             if lengths.get(episode) != end - start:
                 raise ConfigError(
                     f"{self.root}: episode {episode} has {end - start} frames in the data files but length "
-                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent. Fix: {_REDOWNLOAD}."
+                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent. Fix: {REDOWNLOAD_ADVICE}."
                 )
         self._episode_start = np.repeat(starts, ends - starts)
         self._episode_end = np.repeat(ends, ends - starts)
@@ -327,7 +261,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             if not path.is_file():
                 raise ConfigError(
                     f"{path} does not exist, but the episodes table of {self.root} places frames in it. "
-                    f"Fix: {_REDOWNLOAD}."
+                    f"Fix: {REDOWNLOAD_ADVICE}."
                 )
             names = set(pq.read_schema(path).names) - {"__index_level_0__"}  # a pandas index is not a feature
             missing, extra = sorted(expected - names), sorted(names - expected)
@@ -335,7 +269,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 raise ConfigError(
                     f"{path} disagrees with {self.root / INFO_PATH}: features without a column {missing}, columns "
                     f"without a feature {extra}. The metadata belongs to another revision of the dataset. "
-                    f"Fix: {_REDOWNLOAD}."
+                    f"Fix: {REDOWNLOAD_ADVICE}."
                 )
         return [key for key in self.read_keys if key in expected]
 
@@ -350,7 +284,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for path, (end_s, episode) in needed.items():
             if not path.is_file():
                 raise ConfigError(
-                    f"{path} does not exist, but the policy reads its camera. Fix: {_REDOWNLOAD}, or leave the "
+                    f"{path} does not exist, but the policy reads its camera. Fix: {REDOWNLOAD_ADVICE}, or leave the "
                     "camera out of policy.observation_keys."
                 )
             frames_needed = round(end_s * self.fps)
@@ -359,7 +293,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 raise ConfigError(
                     f"{path} holds {frames} frames but episode {episode} ends at {end_s:.3f}s in it "
                     f"({frames_needed} frames at {self.fps} fps): the video is truncated or belongs to another "
-                    f"revision of the dataset. Fix: {_REDOWNLOAD}."
+                    f"revision of the dataset. Fix: {REDOWNLOAD_ADVICE}."
                 )
 
     def _delta_indices(self, delta_timestamps: dict[str, list[float]]) -> dict[str, np.ndarray]:
@@ -438,20 +372,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return item
 
     def fingerprint(self) -> str:
-        """Short stable hash of the dataset revision on disk (not of the ``episodes`` selection):
-        info.json, stats.json and the episodes table by content, data and video files by name and size."""
-        digest = hashlib.sha256()
-        meta_files = [self.root / INFO_PATH, self.root / STATS_PATH]
-        meta_files += sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
-        for path in meta_files:
-            if path.is_file():
-                digest.update(path.relative_to(self.root).as_posix().encode())
-                digest.update(path.read_bytes())
-        media_files = sorted((self.root / "data").glob("chunk-*/file-*.parquet"))
-        media_files += sorted((self.root / "videos").glob("*/chunk-*/file-*.mp4"))
-        for path in media_files:
-            digest.update(f"{path.relative_to(self.root).as_posix()}:{path.stat().st_size}".encode())
-        return digest.hexdigest()[:16]
+        """The dataset revision's hash (:attr:`DatasetMeta.fingerprint`)."""
+        return self.meta.fingerprint
 
     def __getstate__(self) -> dict:
         # Open video containers cannot cross a process boundary (DataLoader workers under spawn).

@@ -1,5 +1,6 @@
-"""The training DataLoader's passes, with a worker that dies named in the error instead of whatever the pipe to it
-raised last (a ``ConnectionResetError`` from a half-received batch, an "exited unexpectedly" without a cause)."""
+"""The training batches: one DataLoader for the whole run, its passes, each batch with its samples' seeds, and a
+worker that dies named in the error instead of whatever the pipe to it raised last (a ``ConnectionResetError`` from
+a half-received batch, an "exited unexpectedly" without a cause)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from lerobot_mg.data.sampler import ResumableBatchSampler, sample_seeds
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 
 _REAP_WAIT_S = 2.0  # a killed worker's exit status reaches the parent shortly after its pipe breaks
 
@@ -51,3 +55,23 @@ def _dead_workers(iterator: Iterator[Any]) -> list[str]:
                else f"exited with status {worker.exitcode}")
         dead.append(f"DataLoader worker {index} (pid {worker.pid}) {how}")
     return dead
+
+
+def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSampler, num_workers: int,
+                    pin_memory: bool) -> Iterator[dict[str, Any]]:
+    """Endless batches, each with its samples' seeds; one DataLoader pass per epoch, starting at the sampler's
+    saved position.
+
+    One DataLoader for the whole run: its workers persist from one epoch to the next, with their open video files
+    (a new pass otherwise forks new workers, which reopen every file and leave the loop waiting at each epoch's
+    start). It has a generator of its own: a DataLoader otherwise draws its worker seed from the global RNG when an
+    iterator starts, and a resumed run (which starts one mid-epoch) would drift from a straight one.
+    """
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        pin_memory=pin_memory, generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
+    )
+    while True:
+        epoch = sampler.epoch  # the sampler reads its position when the pass starts, as here
+        for batch in one_pass(loader):  # a worker that dies is named in the error
+            yield {**batch, SAMPLE_SEED_KEY: sample_seeds(sampler.seed, epoch, batch["index"])}

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from lerobot_mg.data.lerobot_dataset import (
+from lerobot_mg.data.meta import (
     CHUNKS_SIZE,
     CODEBASE_VERSION,
     DATA_FILES_SIZE_IN_MB,

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
+from lerobot_mg.distributed.device import use_cpu
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, compile_forward, find_split_ties, plan_units
 from lerobot_mg.errors import ConfigError
@@ -32,10 +33,6 @@ from lerobot_mg.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def use_cpu(acc_cfg: AcceleratorConfig) -> bool:
-    return acc_cfg.cpu or not torch.cuda.is_available()
 
 
 # Process groups this process has created. A local sweep under torchrun trains its points one after another in the

@@ -31,7 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.distributed.device import use_cpu
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
+from lerobot_mg.distributed.wrap import plan_units
+from lerobot_mg.errors import config_error
 
 ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, each the size of its parameter
 ADAMW_STEP_BYTES = 4  # AdamW's per-parameter step counter: a float32 scalar tensor
@@ -206,22 +210,17 @@ class MemoryPlan:
         return lines
 
 
-def plan_memory(cfg: Any, dims: ParallelDims, features: dict[str, Any]) -> MemoryPlan:
-    """The plan of ``cfg`` (a TrainConfig) on the layout ``dims``: builds the policy on the meta device (no memory,
-    no process group) from the dataset's ``features`` (meta/info.json, read once by the caller)."""
-    from lerobot_mg.distributed.accelerator import use_cpu
-    from lerobot_mg.distributed.wrap import plan_units
-    from lerobot_mg.peft.build import build_policy
-
-    with torch.device("meta"):
-        policy = build_policy(cfg, features)
+def plan_memory(cfg: TrainConfig, dims: ParallelDims, policy: nn.Module) -> MemoryPlan:
+    """The plan of ``cfg`` on the layout ``dims`` for ``policy``, the run's policy built on the meta device (no
+    memory, no process group; :func:`lerobot_mg.preflight.preflight` builds it once per start)."""
     acc = cfg.accelerator
     units = plan_units(policy, acc, dims.is_sharded)
     upcast = dims.is_sharded and acc.mixed_precision != "no"
     facts = param_facts(policy, acc.fsdp.ignored_modules if dims.is_sharded else None)
     per_rank = tuple(planned_rank_bytes(facts, dims.dp_shard, rank % dims.dp_shard, upcast)
                      for rank in range(dims.world_size))
-    return MemoryPlan(dims.topology, per_rank, not use_cpu(acc), dims.is_sharded and acc.fsdp.cpu_offload, tuple(name for name, _ in units.units), units.rule,
+    return MemoryPlan(dims.topology, per_rank, not use_cpu(acc), dims.is_sharded and acc.fsdp.cpu_offload,
+                      tuple(name for name, _ in units.units), units.rule,
                       BatchArithmetic(cfg.batch_size, dims.dp_world_size, acc.gradient_accumulation.steps),
                       tuple(facts), upcast)
 
@@ -238,8 +237,6 @@ def memory_budget(on_device: bool, local_rank: int) -> MemoryBudget:
 
 def check_fits(plan: MemoryPlan, budget: MemoryBudget) -> None:
     """Raise a ConfigError when this node's ranks would hold more than ``budget``, with the layouts that fit."""
-    from lerobot_mg.config.validate import config_error
-
     need = plan.busiest.total * budget.ranks_sharing
     if need <= budget.free_bytes:
         return

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from lerobot_mg.errors import config_error
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -45,6 +47,49 @@ class Topology:
         return f"DDP: {self.world_size} replicas" if self.layout == "ddp" else "single process"
 
 
+def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) actually used on ``world_size`` processes; raises on an impossible layout.
+
+    Both 1 means DDP: every process is a replica. ``dp_shard=-1`` shards over all processes left after
+    ``dp_replicate``.
+    """
+    if dp_replicate < 1:
+        raise config_error("parallelism.dp_replicate", dp_replicate, "must be >= 1", "parallelism.dp_replicate=1")
+    if dp_shard == 0 or dp_shard < -1:
+        raise config_error(
+            "parallelism.dp_shard", dp_shard, "must be >= 1, or -1 for all processes", "parallelism.dp_shard=-1"
+        )
+    if dp_replicate == 1 and dp_shard == 1:
+        return world_size, 1
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise config_error(
+                "parallelism.dp_replicate",
+                dp_replicate,
+                f"does not divide the {world_size} processes the launcher started (dp_shard=-1 shards over "
+                f"world_size / dp_replicate)",
+                f"parallelism.dp_replicate=<a divisor of {world_size}>",
+            )
+        if dp_replicate > 1 and world_size == dp_replicate:
+            raise config_error(
+                "parallelism.dp_shard", dp_shard,
+                f"shards over world_size / dp_replicate = {world_size} / {dp_replicate} = 1 rank: that is plain "
+                "replication (DDP), not HSDP",
+                f"launch {2 * dp_replicate}+ processes for HSDP, or parallelism=ddp for DDP",
+            )
+        return dp_replicate, world_size // dp_replicate
+    if dp_replicate * dp_shard != world_size:
+        raise config_error(
+            "parallelism",
+            {"dp_replicate": dp_replicate, "dp_shard": dp_shard},
+            f"dp_replicate x dp_shard = {dp_replicate * dp_shard} but the launcher started {world_size} "
+            f"process(es); the two degrees must multiply to the world size",
+            f"parallelism.dp_shard=-1 (shard over all processes), or launch {dp_replicate * dp_shard} processes "
+            f"(torchrun --nproc-per-node=...)",
+        )
+    return dp_replicate, dp_shard
+
+
 @dataclass(frozen=True)
 class ParallelDims(Topology):
     """The one object that knows degrees and ranks; the loop asks it questions instead of doing rank arithmetic."""
@@ -55,9 +100,6 @@ class ParallelDims(Topology):
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, rank: int = 0,
                 local_rank: int = 0) -> ParallelDims:
-        # Imported here: run records (Topology, BatchArithmetic) are read by tools that need no config or torch.
-        from lerobot_mg.config.validate import resolve_dp_degrees
-
         replicate, shard = resolve_dp_degrees(dp_replicate, dp_shard, world_size)
         return cls(replicate, shard, world_size, rank, local_rank)
 

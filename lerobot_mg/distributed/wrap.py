@@ -13,19 +13,16 @@ alone: checkpoints, state dicts and FSDP's hooks (which run around ``forward``) 
 from __future__ import annotations
 
 import functools
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.errors import ConfigError
-
-if TYPE_CHECKING:  # config.validate imports this module
-    from lerobot_mg.config.schema import AcceleratorConfig
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 # At most this many min_num_params suggestions in an error message.
@@ -258,20 +255,3 @@ def compile_forward(module: nn.Module) -> None:
     """torch.compile ``module.forward`` (the hooks around it, e.g. FSDP's, stay eager)."""
     forward: Callable[..., Any] = module.forward
     module.forward = torch.compile(forward)
-
-
-def compile_unavailable_reason(use_cpu: bool) -> str | None:
-    """Why torch.compile cannot run here (its inductor backend needs a C++ compiler on the CPU, Triton on a GPU),
-    or None when it can."""
-    if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile (TorchDynamo) does not support this Python version or platform"
-    if use_cpu:
-        compiler = torch._inductor.config.cpp.cxx[-1] or "g++"
-        if shutil.which(compiler) is None:
-            return f"torch.compile's CPU backend (inductor) needs a C++ compiler, and {compiler!r} is not on PATH"
-        return None
-    from torch.utils._triton import has_triton
-
-    if not has_triton():
-        return "torch.compile's GPU backend (inductor) needs Triton, which is not installed"
-    return None

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
+from accelerate.state import AcceleratorState, GradientState
+
+from lerobot_mg.launch.preemption import PreemptionWatch
 
 RUN_LOG_FILENAME = "train.log"
 
@@ -51,8 +54,6 @@ def _detach_run_logs() -> None:
 
 def _restore_signal_handlers() -> None:
     # The preemption watch replaced a handler; put back the one it replaced (submitit's, or the default).
-    from lerobot_mg.launch.preemption import PreemptionWatch
-
     for signum in signal.valid_signals():
         handler = signal.getsignal(signum)
         watch = getattr(handler, "__self__", None)
@@ -67,8 +68,6 @@ def _finish_wandb() -> None:
 
 
 def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 

@@ -5,7 +5,7 @@ per sweep point, ``nodes x tasks_per_node`` ranks per job, each rank running the
 hydra-submitit-launcher it:
 
 - checks every point before anything is queued: its config, and ``dp_replicate x dp_shard`` against
-  ``nodes x tasks_per_node`` (:func:`lerobot_mg.config.validate.check_slurm_job`), with the one-line user error;
+  ``nodes x tasks_per_node`` (:func:`check_slurm_job`), with the one-line user error;
 - exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in every task before the task function runs
   (:mod:`lerobot_mg.launch.slurm_env`);
 - makes a task whose training failed exit non-zero, so SLURM records the job as FAILED (Hydra would otherwise
@@ -34,10 +34,13 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
-from lerobot_mg.config.loading import apply_policy_path, override_keys, run_config
-from lerobot_mg.config.validate import check_slurm_job, check_sweep_point, report_user_error, validate
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.config.loading import override_keys, run_config
+from lerobot_mg.distributed.parallel_dims import resolve_dp_degrees
+from lerobot_mg.errors import ConfigError, config_error, report_user_error
 from lerobot_mg.launch.slurm_env import export_torch_distributed_env
+from lerobot_mg.launch.sweep import check_sweep_point
+from lerobot_mg.peft.base import apply_policy_path
+from lerobot_mg.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class SlurmSweepLauncher(SlurmLauncher):
                 cfg = run_config(point, frozenset(override_keys(list(overrides))))
                 world_size = check_slurm_job(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, params["nodes"],
                                              params["tasks_per_node"], params["gpus_per_node"])
-                validate(cfg, world_size)
+                preflight(cfg, world_size, on_this_machine=False)  # the dataset, policy and plan checks too
             except ConfigError as error:
                 report_user_error(ConfigError(f"sweep job #{idx} ({' '.join(overrides)}): {error}"))
                 raise SystemExit(2) from None
@@ -160,3 +163,41 @@ def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobRe
         if len(returns) < len(jobs):
             time.sleep(POLL_INTERVAL_S)
     return [returns[i] for i in range(len(jobs))]
+
+
+def check_slurm_job(dp_replicate: int, dp_shard: int, nodes: int, tasks_per_node: int,
+                    gpus_per_node: int | None) -> int:
+    """The ranks of one SLURM job (``nodes x tasks_per_node``) against the parallel layout, before submission;
+    returns the world size."""
+    if nodes < 1:
+        raise config_error("hydra.launcher.nodes", nodes, "must be >= 1", "hydra.launcher.nodes=1")
+    if tasks_per_node < 1:
+        raise config_error(
+            "hydra.launcher.tasks_per_node", tasks_per_node,
+            "must be >= 1: it is the number of ranks per node (it follows hydra.launcher.gpus_per_node, which is 0 "
+            "on a CPU cluster)",
+            "hydra.launcher.tasks_per_node=<ranks per node>",
+        )
+    if gpus_per_node and tasks_per_node != gpus_per_node:
+        raise config_error(
+            "hydra.launcher.tasks_per_node", tasks_per_node,
+            f"must equal hydra.launcher.gpus_per_node={gpus_per_node}: one rank per GPU",
+            f"hydra.launcher.tasks_per_node={gpus_per_node}",
+        )
+    world_size = nodes * tasks_per_node
+    degrees_fixed = dp_shard != -1 and not (dp_replicate == 1 and dp_shard == 1)
+    if degrees_fixed and dp_replicate >= 1 and dp_shard >= 1 and dp_replicate * dp_shard != world_size:
+        wanted = dp_replicate * dp_shard
+        fixes = []
+        if wanted % tasks_per_node == 0:
+            fixes.append(f"hydra.launcher.nodes={wanted // tasks_per_node}")
+        if world_size % dp_replicate == 0:
+            fixes.append(f"parallelism.dp_shard={world_size // dp_replicate}")
+        raise config_error(
+            "parallelism", {"dp_replicate": dp_replicate, "dp_shard": dp_shard},
+            f"dp_replicate x dp_shard = {wanted} but the SLURM job has hydra.launcher.nodes x "
+            f"hydra.launcher.tasks_per_node = {nodes} x {tasks_per_node} = {world_size} ranks",
+            " or ".join(fixes) or f"hydra.launcher.nodes and hydra.launcher.tasks_per_node giving {wanted} ranks",
+        )
+    resolve_dp_degrees(dp_replicate, dp_shard, world_size)
+    return world_size

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, open_dict
 
 from lerobot_mg.checkpoint import layout
 from lerobot_mg.checkpoint.state import read_json
-from lerobot_mg.config.validate import check_sweep_point
+from lerobot_mg.errors import config_error
 from lerobot_mg.launch.preemption import resume_cause
 from lerobot_mg.run_facts import ResumeCause
 
@@ -27,6 +27,22 @@ from lerobot_mg.run_facts import ResumeCause
 class SweepJob:
     run_dir: Path  # <hydra.sweep.dir>/<job number>, absolute
     resume_cause: ResumeCause | None  # set when the directory already held a checkpoint to resume
+
+
+def check_sweep_point(output_dir: str | None, resume: bool) -> None:
+    """A point of a Hydra multirun gets its own run directory, <sweep dir>/<job number>, and resumes it by itself."""
+    if output_dir is not None:
+        raise config_error(
+            "output_dir", output_dir,
+            "is set in a sweep (-m): every point would write into it; each point runs in <hydra.sweep.dir>/<job number>",
+            "remove output_dir, and choose where the sweep goes with hydra.sweep.dir=<dir>",
+        )
+    if resume:
+        raise config_error(
+            "resume", True,
+            "in a sweep (-m) every point would continue the same run; a sweep job resumes its own directory by itself",
+            "resume one run at a time, without -m",
+        )
 
 
 def last_checkpoint_step(run_dir: Path) -> int | None:

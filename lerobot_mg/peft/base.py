@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.config.validate import config_error
-from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, PreTrainedPolicy, features_from_dataset
-from lerobot_mg.policies.registry import get_policy_class, load_policy
+from lerobot_mg.config.loading import override_keys
+from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
+from lerobot_mg.policies.registry import get_policy_class
 
 # config.json keys that describe the saved policy's data rather than its hyper-parameters.
 _FEATURE_KEYS = ("input_features", "output_features")
@@ -98,16 +99,20 @@ def check_dataset_matches(path: str, dataset_features: dict[str, dict[str, Any]]
             )
 
 
-def load_base_policy(policy_cfg: Any, path: str) -> PreTrainedPolicy:
-    """The policy of ``policy_cfg`` (the base's config with this run's overrides), on the base's features, with
-    the base's weights in the dtype they were stored in. Trains from here (train mode)."""
-    inputs, outputs = base_features(path)
-    policy = get_policy_class(policy_cfg.type)(policy_cfg, inputs, outputs)
-    if check_policy_path(path) is BaseWeights.FULL:
-        policy.load_weights(Path(path))
-    else:
-        merged = load_policy(Path(path), merge_adapter=True)
-        policy.to(next(merged.parameters()).dtype)
-        policy.load_state_dict(merged.state_dict())
-    policy.train()
-    return policy
+def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
+    """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
+    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does. The path
+    is made absolute (``last`` resolved to its step), so a resume from another directory finds the same base."""
+    check_policy_path(str(composed.policy.path))
+    path = str(Path(composed.policy.path).resolve())
+    kept = {
+        key: OmegaConf.select(composed, key) for key in override_keys(overrides)
+        if key.startswith("policy.") and key != "policy.path"
+    }
+    saved = read_policy_config(path)
+    if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
+        composed.policy = OmegaConf.structured(get_policy_class(str(saved["type"])).config_class)
+    base = {f"policy.{name}": value for name, value in saved.items()}
+    for key, value in {**base, "policy.path": path, **kept}.items():
+        OmegaConf.update(composed, key, value, merge=False)
+    return composed

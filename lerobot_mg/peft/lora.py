@@ -21,11 +21,10 @@ from torch import Tensor, nn
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.schema import PeftConfig, TrainConfig
-from lerobot_mg.config.validate import config_error
-from lerobot_mg.errors import ConfigError
-from lerobot_mg.peft.base import base_features
+from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.peft.base import adapter_base_path, base_features
 from lerobot_mg.policies.base import PreTrainedPolicy, safetensors_ready
-from lerobot_mg.policies.registry import get_policy_class
+from lerobot_mg.policies.registry import get_policy_class, load_pretrained
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -228,9 +227,7 @@ class AdapterWeights:
 def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
     """Base (from the path adapter_config.json records) + adapter, in eval mode. ``merge_adapter`` folds the
     adapter into the base weights and returns the plain policy; otherwise the PeftModel (same outputs)."""
-    from lerobot_mg.peft.base import adapter_base_path
-    from lerobot_mg.policies.registry import load_policy
-    from peft import PeftModel
+    from peft import PeftModel  # the peft extra: imported by runs that use it (it pulls in transformers)
 
     base_path = Path(adapter_base_path(directory))
     if not base_path.is_dir():
@@ -243,3 +240,12 @@ def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapte
     model.to(map_location)
     model.eval()
     return model.merge_and_unload() if merge_adapter else model
+
+
+def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
+    """Load any ``pretrained_model`` directory: a whole policy, or a PEFT run's adapter applied to the base
+    adapter_config.json records, merged into the weights (``merge_adapter``: a plain policy) or kept as a peft
+    model that forwards the policy's methods."""
+    if (Path(directory) / L.ADAPTER_CONFIG_JSON).is_file():
+        return load_adapter_policy(Path(directory), map_location, merge_adapter)
+    return load_pretrained(Path(directory), map_location=map_location)

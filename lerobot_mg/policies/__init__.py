@@ -1,7 +1,7 @@
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy, delta_timestamps, features_from_dataset
 from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
-from lerobot_mg.policies.registry import POLICIES, get_policy_class, load_policy, make_policy
+from lerobot_mg.policies.registry import POLICIES, get_policy_class, load_pretrained, make_policy
 
 __all__ = [
     "POLICIES",
@@ -14,6 +14,6 @@ __all__ = [
     "delta_timestamps",
     "features_from_dataset",
     "get_policy_class",
-    "load_policy",
+    "load_pretrained",
     "make_policy",
 ]

@@ -9,7 +9,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lerobot_mg.checkpoint.layout import ADAPTER_CONFIG_JSON
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.policies.base import CONFIG_NAME, PolicyConfig, PreTrainedPolicy, features_from_dataset
@@ -49,20 +48,13 @@ def make_policy(cfg: Any, dataset_features: dict[str, dict[str, Any]]) -> PreTra
     return policy_class(config, input_features, output_features)
 
 
-def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> PreTrainedPolicy:
-    """Load a `pretrained_model` directory, dispatching on config.json's `type`.
-
-    A PEFT run's directory (adapter_config.json + adapter_model.safetensors) loads its base from the path
-    adapter_config.json records and applies the adapter: merged into the weights (`merge_adapter`, a plain
-    policy), or kept as a peft model that forwards the policy's methods.
-    """
+def load_pretrained(directory: Path, map_location: str = "cpu") -> PreTrainedPolicy:
+    """Load a ``pretrained_model`` directory holding a whole policy (config.json + model.safetensors), dispatching
+    on config.json's ``type``. A PEFT run's directory (an adapter on a base) loads through
+    :func:`lerobot_mg.peft.lora.load_policy`, which takes either kind."""
     directory = Path(directory)
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
-        raise ConfigError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
-    if (directory / ADAPTER_CONFIG_JSON).is_file():
-        from lerobot_mg.peft.lora import load_adapter_policy
-
-        return load_adapter_policy(directory, map_location, merge_adapter)  # type: ignore[return-value]
+        raise ConfigError(f"policy.path={str(directory)!r}: holds no {CONFIG_NAME}. Fix: pass a pretrained_model directory")
     policy_type = json.loads(config_path.read_text()).get("type")
     return get_policy_class(str(policy_type)).from_pretrained(directory, map_location=map_location)

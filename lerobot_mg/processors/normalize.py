@@ -12,6 +12,7 @@ carries no `action`), so the same preprocessor serves training and rollouts.
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -169,3 +170,19 @@ def make_processors(
         "policy_postprocessor", [UnnormalizerStep(output_features, norm_map, stats)]
     )
     return preprocessor, postprocessor
+
+
+def load_processors(directory: Path) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
+    """(preprocessor, postprocessor) saved in a ``pretrained_model`` directory: the statistics a policy was trained
+    with, for training on from it (resume, fine-tuning) and for running it (evaluation)."""
+    return (PolicyProcessorPipeline.from_pretrained(directory, "policy_preprocessor"),
+            PolicyProcessorPipeline.from_pretrained(directory, "policy_postprocessor"))
+
+
+def processors_for(policy_cfg: Any, policy: Any, stats: dict[str, dict[str, StatValue]],
+                   saved_dir: Path | None) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
+    """A run's (preprocessor, postprocessor): those saved in ``saved_dir`` (the checkpoint it resumes, or the base it
+    fine-tunes: the statistics those weights were trained with), else new ones on this dataset's ``stats``."""
+    if saved_dir is None:
+        return make_processors(policy_cfg, policy.input_features, policy.output_features, stats)
+    return load_processors(saved_dir)

@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
+from lerobot_mg.checkpoint import layout
+from lerobot_mg.checkpoint.state import write_json
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.data.video import VideoEncoder
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.peft.lora import load_policy
+from lerobot_mg.processors import load_processors
 from lerobot_mg.sim.env import (
     EPISODE_LENGTH,
     FPS,
@@ -59,20 +66,10 @@ class PolicyController:
     (``merge_adapter=False``), which gives the same actions up to float rounding."""
 
     def __init__(self, pretrained_dir: Path, device: str = "cpu", merge_adapter: bool = True) -> None:
-        import torch
-
-        from lerobot_mg.policies.registry import load_policy
-        from lerobot_mg.processors import PolicyProcessorPipeline
-
-        self._torch = torch
         self.device = torch.device(device)
         self.policy = load_policy(pretrained_dir, map_location=str(self.device), merge_adapter=merge_adapter)
-        self.preprocessor = PolicyProcessorPipeline.from_pretrained(pretrained_dir, "policy_preprocessor").to(
-            self.device
-        )
-        self.postprocessor = PolicyProcessorPipeline.from_pretrained(
-            pretrained_dir, "policy_postprocessor"
-        ).to(self.device)
+        preprocessor, postprocessor = load_processors(pretrained_dir)
+        self.preprocessor, self.postprocessor = preprocessor.to(self.device), postprocessor.to(self.device)
         inputs = self.policy.input_features
         unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
         if unsupported:
@@ -96,7 +93,6 @@ class PolicyController:
         self.policy.reset()
 
     def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
-        torch = self._torch
         batch = {}
         for key in self.policy.input_features:
             value = torch.from_numpy(observation[key]).to(self.device)
@@ -270,9 +266,21 @@ def policy_inputs(observation: SimObservation) -> dict[str, np.ndarray]:
 
 def write_video(path: Path, frames_THWC: np.ndarray, fps: int = FPS) -> None:
     """Encodes RGB frames as an H.264 mp4."""
-    from lerobot_mg.data.video import VideoEncoder
-
     _, height, width, _ = frames_THWC.shape
     encoder = VideoEncoder("eval", Path(path), fps, height, width, "h264")
     encoder.add_frames(frames_THWC)
     encoder.close()
+
+
+def evaluate_run(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
+    """The end of a training run: roll out its last checkpoint (``eval.*``) and write eval_info.json; main process
+    only."""
+    pretrained = layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR
+    video_dir = output_dir / "eval" / "videos" if cfg.eval.n_video_episodes > 0 else None
+    result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
+                             video_dir=video_dir, n_video_episodes=cfg.eval.n_video_episodes,
+                             device="cuda" if torch.cuda.is_available() and not cfg.accelerator.cpu else "cpu")
+    write_json(output_dir / "eval_info.json", result)
+    print(f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/{result['n_episodes']}), "
+          f"mean return {result['mean_return']:.1f}; checkpoint: {pretrained}", flush=True)
+    return result

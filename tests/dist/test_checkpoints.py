@@ -26,7 +26,7 @@ from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import read_dcp_tensors
 from lerobot_mg.checkpoint.resume import check_resumable
 from lerobot_mg.checkpoint.state import read_json
-from lerobot_mg.policies.registry import load_policy
+from lerobot_mg.peft.lora import load_policy
 from tests.launch_utils import (
     REPO,
     TINY_RUN,

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
-from lerobot_mg.policies.registry import load_policy
+from lerobot_mg.peft.lora import load_policy
 from tests.dist.conftest import OTHER_KERNEL, Run
 from tests.dist.test_layouts import LR, NUM_UPDATES
 from tests.launch_utils import run_train

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import convert_checkpoint, read_dcp_tensors
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
-from lerobot_mg.policies.registry import load_policy
+from lerobot_mg.peft.lora import load_policy
 from lerobot_mg.processors import PolicyProcessorPipeline
 from tests.dist.test_checkpoints import (
     PRETRAINED_COMMON,

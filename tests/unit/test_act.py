@@ -19,7 +19,7 @@ from lerobot_mg.policies import (
     DiffusionPolicy,
     features_from_dataset,
     get_policy_class,
-    load_policy,
+    load_pretrained,
     make_policy,
 )
 from tests.launch_utils import PUSHT_SLICE
@@ -204,7 +204,7 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
     assert config["chunk_size"] == CHUNK and config["vision_channels"] == [8, 16]
     assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
 
-    loaded = load_policy(tmp_path)
+    loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, ACTPolicy) and not loaded.training
     assert loaded.config == policy.config
     for key, tensor in policy.state_dict().items():
@@ -361,4 +361,4 @@ def test_from_pretrained_rejects_weights_of_another_shape(tmp_path: Path) -> Non
     with pytest.raises(
         ValueError, match=r"(?s)model\.safetensors does not match the policy built from .*decoder_queries"
     ):
-        load_policy(tmp_path)
+        load_pretrained(tmp_path)

@@ -3,7 +3,8 @@ group exists with one line that names the dotted key (or variable, or file), the
 fixes it.
 
 Most rows run the launch's own checks in this process, in the order ``scripts/train.py`` runs them (preset names,
-compose, the resume merge, the run config, the environment guard, ``validate``); a handful go through the real
+compose, the resume merge, the run config, then ``preflight``: the environment guard, the config, the dataset, the
+resume point and the memory plan); a handful go through the real
 command to show the exit status 2 and the single line without a traceback, the three sources of accelerate
 configuration among them (an exported variable, ``accelerate launch --config_file``, and accelerate's default config
 under ``$HF_HOME``). docs/errors.md lists every row.
@@ -31,9 +32,9 @@ from lerobot_mg.config.loading import (
     run_config,
     train_config_to_dict,
 )
-from lerobot_mg.config.validate import precision_unsupported, validate
-from lerobot_mg.distributed.env_guard import check_accelerate_env
+from lerobot_mg.distributed.device import precision_unsupported
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.preflight import preflight
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, TRAIN_SCRIPT, clean_env, free_port, kill_tree
 
 VALID = ["experiment=pusht_debug", f"dataset.root={PUSHT_SLICE}"]
@@ -507,8 +508,7 @@ def _refusal(row: BadInput, tmp: Path) -> str:
     with pytest.raises(ConfigError) as error:
         check_presets(typed)
         cfg = _run_config(typed, row.world_size)
-        check_accelerate_env(row.env)
-        validate(cfg, row.world_size)
+        preflight(cfg, row.world_size, env=row.env)
     assert not torch.distributed.is_initialized()  # refused before any process group
     return str(error.value).replace(str(tmp), "<tmp>")
 
@@ -553,7 +553,7 @@ def test_a_precision_the_gpu_cannot_compute_is_refused(row_id: str, gpu: str, pr
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: GPUS[gpu] >= (8, 0))
     with pytest.raises(ConfigError) as error:
-        validate(cfg, 1)
+        preflight(cfg, 1)
     message = str(error.value)
     assert message.startswith(start) and message.split(". Fix: ", 1)[1].startswith(fix), message
     assert f"`{row_id}`" in ERRORS_DOC.read_text()
@@ -566,7 +566,7 @@ def test_defaults_the_user_did_not_type_never_refuse_a_short_run() -> None:
     for steps, warmup in ((100, 10), (8, 0)):
         cfg = _run_config([*VALID, "scheduler=cosine", f"steps={steps}"], 1)
         assert cfg.scheduler.num_warmup_steps == warmup
-        validate(cfg, 1)
+        preflight(cfg, 1)
     # A long run keeps the preset's warm-up, and a typed one is kept as typed.
     assert _run_config([*VALID, "scheduler=cosine", "steps=2000"], 1).scheduler.num_warmup_steps == 100
     assert _run_config([*VALID, "scheduler=cosine", "steps=100", "scheduler.num_warmup_steps=50"],

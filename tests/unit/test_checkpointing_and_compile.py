@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig, TrainConfig
-from lerobot_mg.config.validate import validate
 from lerobot_mg.distributed.accelerator import build_accelerator, prepare_units
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, plan_units
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.optim import make_optimizer
 from lerobot_mg.policies import ACTConfig, ACTPolicy, DiffusionPolicy
+from lerobot_mg.preflight import preflight
 from lerobot_mg.step import Stepper
 from tests.dist.test_fsdp_options import ToyPolicy
 from tests.unit.test_diffusion import IMAGE_INPUTS, OUTPUTS, STATE_ONLY_INPUTS, make_batch, tiny_config
@@ -99,7 +99,7 @@ def test_compile_without_a_compiler_is_a_config_error(monkeypatch: pytest.Monkey
     cfg = TrainConfig(policy=ACTConfig(), accelerator=AcceleratorConfig(compile=True, cpu=True))
     cfg.dataset.root = str(PUSHT_SLICE)
     with pytest.raises(ConfigError) as error:
-        validate(cfg, world_size=1)
+        preflight(cfg, world_size=1)
     assert str(error.value) == (
         "accelerator.compile=True: torch.compile's CPU backend (inductor) needs a C++ compiler, and 'g++' is not on "
         "PATH. Fix: accelerator.compile=false"

@@ -21,9 +21,9 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationEr
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.config.validate import validate
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+from lerobot_mg.preflight import preflight
 from tests.launch_utils import PUSHT_SLICE
 
 # A valid run: the debug experiment on the real PushT slice.
@@ -44,7 +44,7 @@ def _train_config(overrides: list[str]) -> TrainConfig:
 def _validation_error(overrides: list[str], world_size: int = 1) -> str:
     cfg = _train_config(overrides)
     with pytest.raises(ConfigError) as error:
-        validate(cfg, world_size)
+        preflight(cfg, world_size)
     return str(error.value)
 
 
@@ -124,7 +124,7 @@ def test_every_preset_composes_into_the_schema_and_validates(group: str, option:
     pusht_features = json.loads((PUSHT_SLICE / "meta" / "info.json").read_text())["features"]
     if cfg.policy.observation_keys is not None:
         cfg.policy.observation_keys = [key for key in cfg.policy.observation_keys if key in pusht_features] or None
-    validate(cfg, world_size)
+    preflight(cfg, world_size)
 
 
 def test_defaults_are_the_offline_single_process_run() -> None:
@@ -272,10 +272,10 @@ def test_dashed_spelling_composes_like_the_hydra_spelling() -> None:
 
 
 def test_the_valid_runs_pass() -> None:
-    validate(_train_config(VALID), world_size=1)
-    validate(_train_config(VALID), world_size=2)  # DDP over 2 processes
-    validate(_train_config(SHARDED), world_size=2)
-    validate(_train_config([*VALID, "parallelism=hsdp", "parallelism.dp_shard=2"]), world_size=4)
+    preflight(_train_config(VALID), world_size=1)
+    preflight(_train_config(VALID), world_size=2)  # DDP over 2 processes
+    preflight(_train_config(SHARDED), world_size=2)
+    preflight(_train_config([*VALID, "parallelism=hsdp", "parallelism.dp_shard=2"]), world_size=4)
 
 
 # Options that only mean something for a sharded run, each refused on a DDP run of 2 processes.
@@ -308,9 +308,9 @@ def test_fsdp_option_on_a_non_sharded_run_is_refused(override: str, start: str) 
         "(parallelism.dp_shard=1)"
     ), message
     assert message.endswith(f". Fix: parallelism.dp_shard=-1 to shard, or remove {key}")
-    validate(_train_config([*VALID, override, "parallelism=fsdp"]), world_size=2)  # the fix works
+    preflight(_train_config([*VALID, override, "parallelism=fsdp"]), world_size=2)  # the fix works
     if unit_rule:  # the unit rules also choose what activation checkpointing recomputes, sharded or not
-        validate(_train_config([*VALID, override, "accelerator.activation_checkpointing=true"]), world_size=2)
+        preflight(_train_config([*VALID, override, "accelerator.activation_checkpointing=true"]), world_size=2)
 
 
 @pytest.mark.parametrize("checkpoint_format", ["dcp", "safetensors_dcp"])
@@ -326,7 +326,7 @@ def test_dcp_checkpoint_on_a_non_sharded_run_is_refused(checkpoint_format: str) 
 def test_existing_output_dir_without_resume_is_refused(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    validate(_train_config([*VALID, f"output_dir={run_dir}"]), world_size=1)  # empty: fine
+    preflight(_train_config([*VALID, f"output_dir={run_dir}"]), world_size=1)  # empty: fine
     (run_dir / "train_config.json").write_text("{}")
     message = _validation_error([*VALID, f"output_dir={run_dir}"])
     assert message == (
@@ -338,13 +338,13 @@ def test_existing_output_dir_without_resume_is_refused(tmp_path: Path) -> None:
 
 def test_policy_errors_name_the_policy_key() -> None:
     with pytest.raises(ConfigError, match=r"policy.n_action_steps=20 exceeds policy.chunk_size=10"):
-        validate(_train_config([*VALID, "policy.n_action_steps=20"]), world_size=1)
+        preflight(_train_config([*VALID, "policy.n_action_steps=20"]), world_size=1)
 
 
 def test_a_reduce_dtype_needs_a_param_dtype() -> None:
     with pytest.raises(ConfigError, match=r"reduce_dtype='float32': is set without param_dtype.*float32 compute"):
-        validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32"]), 2)
-    validate(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16",
+        preflight(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32"]), 2)
+    preflight(_train_config([*SHARDED, "accelerator.fsdp.mixed_precision_policy.param_dtype=bfloat16",
                             "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32"]), 2)
 
 

@@ -19,9 +19,9 @@ from lerobot_mg.checkpoint.convert import (
     read_dcp_tensors,
 )
 from lerobot_mg.cli import parse
+from lerobot_mg.peft.lora import load_policy
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
-from lerobot_mg.policies.registry import load_policy
 
 # The shards are written without a process group on purpose; torch warns about that on every save.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
+from lerobot_mg.data.loader import endless_batches
 from lerobot_mg.errors import ConfigError
 from tests.data_aids import (
     IMAGE_KEY,
@@ -201,9 +202,7 @@ def test_a_killed_data_worker_stops_the_run_naming_it(tiny_dataset: TinyDataset,
 
 def _delivered(dataset: LeRobotDataset, sampler: ResumableBatchSampler, num_workers: int, steps: int) -> list[list]:
     """What the training loop receives over ``steps`` loop steps: index and the image bytes, as train() advances."""
-    from lerobot_mg.train import _batches
-
-    batches, delivered = _batches(dataset, sampler, num_workers, pin_memory=False), []
+    batches, delivered = endless_batches(dataset, sampler, num_workers, pin_memory=False), []
     for _ in range(steps):
         batch = next(batches)
         sampler.advance()

@@ -9,10 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lerobot_mg.config.loading import apply_policy_path, to_train_config
+from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.data.sampler import sample_seeds
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies import DiffusionConfig, DiffusionPolicy, delta_timestamps, load_policy, make_policy
+from lerobot_mg.peft.base import apply_policy_path
+from lerobot_mg.policies import (
+    DiffusionConfig,
+    DiffusionPolicy,
+    delta_timestamps,
+    load_pretrained,
+    make_policy,
+)
 from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 from lerobot_mg.policies.diffusion.modeling_diffusion import NoiseSchedule
@@ -212,7 +219,7 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
     assert config["type"] == "diffusion" and config["down_dims"] == [16, 32] and config["crop_shape"] == [16, 16]
     assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
 
-    loaded = load_policy(tmp_path)
+    loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, DiffusionPolicy) and not loaded.training and loaded.config == policy.config
     policy.eval()
     batch = make_batch(input_features)

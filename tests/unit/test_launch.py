@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lerobot_mg.config.schema import AcceleratorConfig
-from lerobot_mg.config.validate import check_slurm_job, check_sweep_point
 from lerobot_mg.distributed.accelerator import build_accelerator
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.errors import ConfigError
@@ -29,6 +28,8 @@ from lerobot_mg.launch.slurm_env import (
     expand_task_counts,
     export_torch_distributed_env,
 )
+from lerobot_mg.launch.submitit_launcher import check_slurm_job
+from lerobot_mg.launch.sweep import check_sweep_point
 from lerobot_mg.run_facts import ResumeCause
 
 # Rank 3 of a 2-node x 2-task srun step (the values srun sets; the node list needs no expansion).

@@ -15,7 +15,7 @@ from torch import nn
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, to_train_config
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.data.lerobot_dataset import read_info
+from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.distributed.memory import (
     MemoryBudget,
     MemoryPlan,
@@ -26,6 +26,7 @@ from lerobot_mg.distributed.memory import (
 )
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.preflight import meta_policy
 from tests.launch_utils import PUSHT_SLICE
 
 
@@ -38,7 +39,7 @@ def _train_config(overrides: list[str]) -> TrainConfig:
 
 
 def _plan(cfg: TrainConfig, dims: ParallelDims) -> MemoryPlan:
-    return plan_memory(cfg, dims, read_info(PUSHT_SLICE)["features"])
+    return plan_memory(cfg, dims, meta_policy(cfg, DatasetMeta.read(PUSHT_SLICE)))
 
 
 def test_shards_follow_torch_chunk() -> None:

@@ -14,14 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lerobot_mg.config.loading import apply_policy_path, to_train_config
+from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.config.schema import PeftConfig
-from lerobot_mg.config.validate import validate
 from lerobot_mg.distributed.wrap import select_wrap_units
-from lerobot_mg.peft.base import load_base_policy
-from lerobot_mg.peft.lora import AdapterWeights, wrap_with_lora
+from lerobot_mg.peft.base import apply_policy_path, load_base_policy
+from lerobot_mg.peft.lora import AdapterWeights, load_policy, wrap_with_lora
 from lerobot_mg.policies.act import ACTPolicy
-from lerobot_mg.policies.registry import load_policy
+from lerobot_mg.preflight import preflight
 from tests.unit.test_config import VALID, _compose, _train_config, _validation_error
 
 FEATURES_IN = {"observation.state": {"type": "STATE", "shape": [2]}}  # the PushT slice's
@@ -65,9 +64,9 @@ def test_policy_path_takes_the_base_config_and_keeps_command_line_overrides(tmp_
 
 
 def test_lora_configs_validate(base_dir: Path) -> None:
-    validate(_train_config(_lora(base_dir, "peft.full_training_modules=[action_head]")), 1)
+    preflight(_train_config(_lora(base_dir, "peft.full_training_modules=[action_head]")), 1)
     # A pattern that begins with .* matches the PEFT model's names.
-    validate(_train_config(_lora(base_dir, "parallelism.dp_shard=2",
+    preflight(_train_config(_lora(base_dir, "parallelism.dp_shard=2",
                                  "accelerator.fsdp.ignored_modules=.*model.action_head")), 2)
 
 
@@ -113,8 +112,8 @@ def test_bf16_base_under_sharding_needs_mixed_precision(bf16_base_dir: Path) -> 
     error = _validation_error(sharded, 2)
     assert error.startswith("accelerator.mixed_precision='no': the base at policy.path is stored in bfloat16")
     assert error.endswith("Fix: accelerator.mixed_precision=bf16")
-    validate(_train_config([*sharded, "accelerator.mixed_precision=bf16"]), 2)  # the fix works
-    validate(_train_config(_lora(bf16_base_dir)), 1)  # one process: no FSDP2 unit to keep uniform
+    preflight(_train_config([*sharded, "accelerator.mixed_precision=bf16"]), 2)  # the fix works
+    preflight(_train_config(_lora(bf16_base_dir)), 1)  # one process: no FSDP2 unit to keep uniform
 
 
 def _wrapped(base: Path, **peft: object) -> torch.nn.Module:

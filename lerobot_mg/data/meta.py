@@ -1,0 +1,142 @@
+"""A LeRobot v3.0 dataset's metadata, read once per start: ``meta/info.json`` and the episodes table.
+
+The checks before training (features the policy reads, episode lengths, samples per rank), the policy's input
+features, the fingerprint a run records and the dataset reader itself all take one :class:`DatasetMeta`, so a
+start opens these files once. The format's constants (paths, the default features) live here for the reader and
+the writer alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from lerobot_mg.errors import ConfigError, config_error
+
+CODEBASE_VERSION = "v3.0"
+INFO_PATH = "meta/info.json"
+STATS_PATH = "meta/stats.json"
+TASKS_PATH = "meta/tasks.parquet"
+EPISODES_DIR = "meta/episodes"
+EPISODES_PATH = EPISODES_DIR + "/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+# Values LeRobot writes into info.json (utils.py: DEFAULT_CHUNK_SIZE, DEFAULT_*_FILE_SIZE_IN_MB).
+CHUNKS_SIZE = 1000
+DATA_FILES_SIZE_IN_MB = 100
+VIDEO_FILES_SIZE_IN_MB = 500
+DEFAULT_FEATURES: dict[str, dict] = {
+    "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+    "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+    "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+    "index": {"dtype": "int64", "shape": [1], "names": None},
+    "task_index": {"dtype": "int64", "shape": [1], "names": None},
+}
+
+
+
+REDOWNLOAD_ADVICE = ("download the dataset again (e.g. `huggingface-cli download --repo-type dataset <repo_id> "
+               "--local-dir <root>`) or regenerate it")
+
+
+def check_version(info: dict[str, Any], root: Path) -> None:
+    """A ConfigError naming the version of a dataset older than v3.x, and the conversion that fixes it."""
+    version = str(info.get("codebase_version"))
+    if not version.startswith("v3."):
+        raise config_error(
+            "dataset.root", str(root), f"is a LeRobot {version} dataset (meta/info.json codebase_version); this "
+            "reader reads v3.0 only",
+            "convert it with LeRobot's v2.1 -> v3.0 conversion script "
+            "(python -m lerobot.datasets.v30.convert_dataset_v21_to_v30), or dataset.root=<a v3.0 dataset>",
+        )
+
+
+def read_info(root: Path) -> dict:
+    """meta/info.json of a LeRobot v3.x dataset (for tools that need nothing else of it)."""
+    info = json.loads((Path(root) / INFO_PATH).read_text())
+    check_version(info, Path(root))
+    return info
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    """What a start needs of a dataset before reading any frame, each file read once."""
+
+    root: Path
+    info: dict[str, Any]
+    # One row per episode, sorted by episode_index, without the per-episode stats columns (large, unused here).
+    episodes: pa.Table
+    # Short stable hash of the dataset revision on disk (not of an episode selection): info.json, stats.json and
+    # the episodes table by content, the data and video files by name and size.
+    fingerprint: str
+
+    @classmethod
+    def read(cls, root: str | Path,
+             fix: str = "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>") -> DatasetMeta:
+        """Read ``root``'s metadata; ``fix`` is the advice when it has no meta/info.json."""
+        root = Path(root)
+        if not (root / INFO_PATH).is_file():
+            raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json), or its "
+                               "writer did not finish", fix)
+        digest = hashlib.sha256()
+
+        def read_bytes(path: Path) -> bytes:
+            data = path.read_bytes()
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(data)
+            return data
+
+        info = json.loads(read_bytes(root / INFO_PATH))
+        check_version(info, root)
+        if (root / STATS_PATH).is_file():
+            read_bytes(root / STATS_PATH)
+        paths = sorted((root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
+        if not paths:
+            raise ConfigError(f"no episodes table under {root / EPISODES_DIR}; the dataset is incomplete. "
+                              f"Fix: {REDOWNLOAD_ADVICE}.")
+        tables = []
+        for path in paths:
+            buffer = pa.BufferReader(read_bytes(path))
+            names = [name for name in pq.read_schema(buffer).names if not name.startswith("stats/")]
+            tables.append(pq.read_table(buffer, columns=names))
+        episodes = pa.concat_tables(tables, promote_options="permissive").sort_by("episode_index")
+        media = sorted((root / "data").glob("chunk-*/file-*.parquet")) + sorted(
+            (root / "videos").glob("*/chunk-*/file-*.mp4"))
+        for path in media:
+            digest.update(f"{path.relative_to(root).as_posix()}:{path.stat().st_size}".encode())
+        return cls(root, info, episodes, digest.hexdigest()[:16])
+
+    @property
+    def features(self) -> dict[str, dict[str, Any]]:
+        return self.info["features"]
+
+    @property
+    def fps(self) -> int:
+        return int(self.info["fps"])
+
+    def lengths(self, episodes: list[int] | None = None) -> dict[int, int]:
+        """Frames per episode, of ``episodes`` (all when None)."""
+        table = self.select(episodes)
+        return dict(zip(table.column("episode_index").to_pylist(), table.column("length").to_pylist()))
+
+    def select(self, episodes: list[int] | None) -> pa.Table:
+        """The rows of ``episodes`` (all when None); the user error when the dataset lacks one of them."""
+        if episodes is None:
+            return self.episodes
+        available = self.episodes.column("episode_index").to_pylist()
+        unknown = sorted(set(episodes) - set(available))
+        if unknown:
+            raise config_error(
+                "dataset.episodes", list(episodes),
+                f"dataset.root has no episode {unknown} (it has {len(available)}: {min(available)}..{max(available)})",
+                f"dataset.episodes=<indices in {min(available)}..{max(available)}>, or dataset.episodes=null for all",
+            )
+        mask = pc.is_in(self.episodes.column("episode_index"), value_set=pa.array(sorted(set(episodes))))
+        return self.episodes.filter(mask)

@@ -1,0 +1,138 @@
+"""Everything a start checks before any process group exists, once, in one place.
+
+:func:`preflight` runs on every rank at the top of ``train()`` (and for each point of a SLURM sweep before anything
+is queued): the launch environment, the config's fields against each other and the layout, this machine's device,
+the base at ``policy.path`` and the ``peft.*`` group, the dataset's metadata against the policy and the batch, the
+checkpoint to resume, the policy built once on the meta device and the memory plan of the layout. Each refusal is a
+``ConfigError`` in the one style (``key=value: problem. Fix: override``); what the checks read (the dataset's
+metadata, the resume point, the plan) is returned for ``train()`` to reuse, so no file is read twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lerobot_mg.checkpoint.resume import ResumePoint, resume_point
+from lerobot_mg.config.choices import DatasetName
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.validate import validate
+from lerobot_mg.data.meta import DatasetMeta
+from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
+from lerobot_mg.distributed.env_guard import check_accelerate_env
+from lerobot_mg.distributed.memory import MemoryPlan, check_fits, memory_budget, plan_memory
+from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.errors import config_error
+from lerobot_mg.peft.base import check_policy_path, stored_dtype
+from lerobot_mg.peft.build import build_policy
+from lerobot_mg.peft.lora import check_peft_config
+from lerobot_mg.policies.base import features_from_dataset
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks found, for the start to reuse."""
+
+    dims: ParallelDims
+    dataset: DatasetMeta  # meta/info.json and the episodes table, read once
+    resume: ResumePoint | None  # the checkpoint this start continues, or None for a new run
+    memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
+
+
+def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, *,
+              env: Mapping[str, str] | None = None, on_this_machine: bool = True) -> Preflight:
+    """Check ``cfg`` for a launch of ``world_size`` processes; raise the first user error.
+
+    ``on_this_machine=False`` (a SLURM submission, checked on the submitting host) leaves out what only the
+    machine that trains can answer: its launch environment and whether the training state fits its memory.
+    """
+    if on_this_machine:
+        check_accelerate_env(env)
+    dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
+    validate(cfg, dims.is_sharded)
+    check_device(cfg)
+    check_finetune(cfg, dims.is_sharded)
+    dataset = check_dataset(cfg, dims.dp_world_size)
+    resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
+    memory = plan_memory(cfg, dims, meta_policy(cfg, dataset))  # the wrap, checkpointing and compile units are chosen (and checked) here
+    if on_this_machine and not cfg.plan:
+        check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
+    return Preflight(dims, dataset, resume, memory)
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """The precision and torch.compile asked for, against this machine's device and torch build."""
+    acc = cfg.accelerator
+    cpu = use_cpu(acc)
+    unsupported = precision_unsupported(acc.mixed_precision, use_cpu=cpu)
+    if unsupported is not None:
+        raise config_error("accelerator.mixed_precision", acc.mixed_precision, *unsupported)
+    if acc.compile:
+        reason = compile_unavailable_reason(use_cpu=cpu)
+        if reason is not None:
+            raise config_error("accelerator.compile", True, reason, "accelerator.compile=false")
+
+
+def check_finetune(cfg: TrainConfig, sharded: bool) -> None:
+    """``policy.path`` and ``peft.*``: the base on disk and the module names it has."""
+    if cfg.policy.path is not None:
+        check_policy_path(cfg.policy.path)
+    if not cfg.peft.enabled:
+        return
+    check_peft_config(cfg, sharded)
+    dtype = stored_dtype(str(cfg.policy.path))
+    if sharded and dtype in (torch.bfloat16, torch.float16) and cfg.accelerator.mixed_precision == "no":
+        raise config_error(
+            "accelerator.mixed_precision", cfg.accelerator.mixed_precision,
+            f"the base at policy.path is stored in {str(dtype).removeprefix('torch.')}, and FSDP2 shards the "
+            "fp32 LoRA adapters with it; with mixed precision on, every trainable parameter is upcast to fp32",
+            f"accelerator.mixed_precision={'fp16' if dtype == torch.float16 else 'bf16'}",
+        )
+
+
+def check_dataset(cfg: TrainConfig, dp_world_size: int) -> DatasetMeta:
+    """The dataset's metadata against the policy and the batch: the version, the features the policy reads, episode
+    lengths and the number of samples. Returns the metadata, read once."""
+    fix = ("generate it first: lerobot-mg-make-dataset (or make train does it)"
+           if cfg.dataset.name == DatasetName.embedded
+           else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>")
+    meta = DatasetMeta.read(Path(cfg.dataset.root), fix)
+    features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
+    lengths = meta.lengths(cfg.dataset.episodes)
+    chunk = len(cfg.policy.action_delta_indices)
+    shortest = min(lengths.values())
+    if chunk > shortest:
+        key = f"policy.{cfg.policy.action_length_key}"
+        raise config_error(
+            key, getattr(cfg.policy, cfg.policy.action_length_key),
+            f"each sample loads {chunk} action frames, more than the shortest episode of dataset.root has "
+            f"({shortest} frames, episode {min(lengths, key=lengths.__getitem__)}): most of its chunks would be padding",
+            f"{key}=<at most {shortest}>, or dataset.episodes=<longer episodes>",
+        )
+    num_samples = sum(lengths.values())
+    if dp_world_size > num_samples:
+        raise config_error(
+            "dataset.root", str(meta.root),
+            f"has {num_samples} samples, fewer than the {dp_world_size} data-parallel ranks launched: some ranks "
+            "would get no sample at all",
+            f"launch at most {num_samples} processes, or a larger dataset",
+        )
+    if cfg.batch_size * dp_world_size > num_samples:
+        raise config_error(
+            "batch_size", cfg.batch_size,
+            f"one global batch (batch_size x {dp_world_size} data-parallel ranks = {cfg.batch_size * dp_world_size} "
+            f"samples) is larger than the {num_samples} samples of dataset.root",
+            f"batch_size={num_samples // dp_world_size}, or fewer processes",
+        )
+    return meta
+
+
+def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:
+    """The run's policy on the meta device: module names, classes and shapes only, no memory and no draw from the
+    random generator."""
+    with torch.device("meta"):
+        return build_policy(cfg, meta.features)

@@ -1,0 +1,34 @@
+"""The layers contract (.importlinter, run by `make lint`) holds for the package, and catches an import that points
+up: a copy of the package whose config imports the training loop fails it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.launch_utils import REPO, clean_env
+
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", str(root / ".importlinter")], cwd=root,
+                          env=clean_env({"PYTHONPATH": str(root)}), capture_output=True, text=True, timeout=300)
+
+
+def test_the_package_keeps_its_layers() -> None:
+    done = _lint(REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Layers point down KEPT" in done.stdout
+
+
+def test_an_import_pointing_up_breaks_the_contract(tmp_path: Path) -> None:
+    shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
+    shutil.copytree(REPO / "lerobot_mg", tmp_path / "lerobot_mg", ignore=shutil.ignore_patterns("__pycache__"))
+    schema = tmp_path / "lerobot_mg" / "config" / "schema.py"
+    schema.write_text(schema.read_text() + "\nimport lerobot_mg.train  # noqa: E402,F401\n")
+    done = _lint(tmp_path)
+    assert done.returncode != 0
+    assert "lerobot_mg.config is not allowed to import lerobot_mg.train" in done.stdout, done.stdout

@@ -1,0 +1,74 @@
+"""One start reads the dataset's metadata once and builds the meta-device policy once.
+
+A real one-process run of the debug preset, in a process of its own that records every file it opens (Python's
+audit hook sees each ``open``), every parquet read through pyarrow by path (which the audit hook does not see), and
+every policy it constructs with the device its parameters were built on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.launch_utils import PUSHT_SLICE, TINY_RUN, run_train
+
+_PROBE = '''
+import json, os, sys
+import pyarrow.parquet as pq
+
+opened, parquet_paths, built = [], [], []
+
+
+def audit(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        opened.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(audit)
+for name in ("read_table", "read_schema", "ParquetFile"):
+    original = getattr(pq, name)
+
+    def recorded(source, *rest, _original=original, **kwargs):
+        if isinstance(source, (str, os.PathLike)):
+            parquet_paths.append(os.fspath(source))
+        return _original(source, *rest, **kwargs)
+
+    setattr(pq, name, recorded)
+
+from lerobot_mg.policies.registry import POLICIES
+
+for policy_class in POLICIES.values():
+    def init(self, *args, _init=policy_class.__init__, **kwargs):
+        _init(self, *args, **kwargs)
+        if type(self) in POLICIES.values():
+            built.append(next(self.parameters()).device.type)
+
+    policy_class.__init__ = init
+
+from lerobot_mg.scripts_entry import train
+
+try:
+    train()
+finally:
+    with open(os.environ["PROBE_OUT"], "w") as out:
+        json.dump({"opened": opened, "parquet_paths": parquet_paths, "built": built}, out)
+'''
+
+
+def test_a_start_reads_the_dataset_metadata_once_and_builds_the_meta_policy_once(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PROBE)
+    record = tmp_path / "record.json"
+    run_train([*TINY_RUN, f"dataset.root={PUSHT_SLICE}", "steps=2", f"output_dir={tmp_path / 'run'}"],
+              script=probe, env={"PROBE_OUT": str(record)})
+    seen = json.loads(record.read_text())
+    meta = PUSHT_SLICE / "meta"
+    episode_files = sorted(str(path) for path in (meta / "episodes").glob("chunk-*/file-*.parquet"))
+    assert episode_files
+    opened = [path for path in seen["opened"] if path.startswith(str(meta))]
+    assert opened.count(str(meta / "info.json")) == 1, opened
+    for path in episode_files:
+        assert opened.count(path) == 1, opened
+    assert not [path for path in seen["parquet_paths"] if path.startswith(str(meta / "episodes"))]
+    # One policy on the meta device (the checks and the memory plan), one with memory (the one that trains).
+    assert seen["built"] == ["meta", "cpu"], seen["built"]
