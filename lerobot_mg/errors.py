@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A user error: the message names what is wrong (the dotted key, the value, the file) and how to fix it."""
+
+
+def config_error(key: str, value: object, problem: str, fix: str) -> ConfigError:
+    """The user error in the one style every message follows: ``key=value: problem. Fix: override``."""
+    return ConfigError(f"{key}={value!r}: {problem}. Fix: {fix}")

@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 
 from lerobot_mg.data.video import VideoFrameReader, video_frame_count
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 CODEBASE_VERSION = "v3.0"
 INFO_PATH = "meta/info.json"
@@ -139,9 +139,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.root = Path(root)
         info_path = self.root / INFO_PATH
         if not info_path.is_file():
-            raise ValueError(
-                f"{info_path} does not exist: {self.root} is not a LeRobot dataset (or its writer did not "
-                "finish). Point the dataset root at a folder with meta/info.json."
+            raise config_error(
+                "dataset.root", str(self.root), f"is not a LeRobot v3.0 dataset (no {INFO_PATH}, or its writer did "
+                "not finish)", f"dataset.root=<a LeRobot v3.0 dataset directory containing {INFO_PATH}>"
             )
         self.info: dict = read_info(self.root)
         self.fps = int(self.info["fps"])

@@ -19,7 +19,7 @@ from lerobot_mg.checkpoint.convert import (
     read_dcp_tensors,
 )
 from lerobot_mg.cli import parse
-from lerobot_mg.policies.act.configuration_act import ACTConfig
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.policies.registry import load_policy
 
