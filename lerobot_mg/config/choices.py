@@ -80,10 +80,6 @@ class WandbMode(Choice):
     disabled = "disabled"
 
 
-class PeftMethod(Choice):
-    LORA = "LORA"
-
-
 # --- policy fields ---------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,6 @@ from lerobot_mg.config.choices import (
     DatasetName,
     MixedPrecision,
     OptimizerType,
-    PeftMethod,
     SchedulerType,
     TorchDtype,
     WandbMode,
@@ -166,7 +165,7 @@ class PeftConfig:
     never rescaled behind your back by a library default (peft's own default alpha is 8 whatever ``r``).
     """
 
-    method_type: PeftMethod | None = None  # null: no PEFT
+    method_type: str | None = None  # null | LORA (peft/lora.py checks it)
     r: int = 16
     lora_alpha: float | None = None  # null: = r (scale 1)
     dropout: float = 0.0  # on the adapter's input
