@@ -26,6 +26,7 @@ def train() -> None:
     from lerobot_mg.config import register_configs
     from lerobot_mg.config.loading import (
         CONF_DIR,
+        check_choices,
         check_presets,
         merge_resume_config,
         normalize_argv,
@@ -35,8 +36,9 @@ def train() -> None:
     from lerobot_mg.peft.base import apply_policy_path
 
     sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
-    try:  # before Hydra composes: it would list the presets over several lines and exit 1
+    try:  # before Hydra composes: it would list the presets (or the allowed words) over several lines and exit 1
         check_presets(sys.argv[1:])
+        check_choices(sys.argv[1:])
     except ConfigError as error:
         report_user_error(error)
         raise SystemExit(2) from None

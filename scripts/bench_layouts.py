@@ -36,21 +36,25 @@ GOALS = {"act": 0.525, "diffusion": 0.55}
 
 
 def _config(policy: str, args: argparse.Namespace):
-    from lerobot_mg.config.schema import TrainConfig
-    from lerobot_mg.policies import ACTConfig, DiffusionConfig
+    """The run config a user gets from ``lerobot-mg-train`` with these overrides: the same Hydra composition of
+    conf/ (presets, schema defaults) and the same typed conversion."""
+    from hydra import compose, initialize_config_dir
 
-    cfg = TrainConfig()
+    from lerobot_mg.config import register_configs
+    from lerobot_mg.config.loading import CONF_DIR, override_keys, run_config
+
     if policy == "act":
-        cfg.policy = ACTConfig(dim_model=args.dim_model, dim_feedforward=4 * args.dim_model, chunk_size=50,
-                               n_action_steps=50, use_vae=False, dropout=0.0)
-        cfg.batch_size = args.batch_size
-    else:
-        cfg.policy = DiffusionConfig()  # LeRobot's default sizes
-        cfg.batch_size = DIFFUSION_BATCH_SIZE
-        cfg.accelerator.fsdp.min_num_params = DIFFUSION_MIN_NUM_PARAMS
-    cfg.scheduler.type = "constant"
-    cfg.scheduler.num_warmup_steps = 0
-    return cfg
+        overrides = [f"policy.dim_model={args.dim_model}", f"policy.dim_feedforward={4 * args.dim_model}",
+                     "policy.chunk_size=50", "policy.n_action_steps=50", "policy.use_vae=false", "policy.dropout=0",
+                     f"batch_size={args.batch_size}"]
+    else:  # LeRobot's default sizes
+        overrides = ["policy=diffusion", f"batch_size={DIFFUSION_BATCH_SIZE}",
+                     f"accelerator.fsdp.min_num_params={DIFFUSION_MIN_NUM_PARAMS}"]
+    overrides.append("scheduler=constant")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose(config_name="train", overrides=overrides)
+    return run_config(composed, frozenset(override_keys(overrides)))
 
 
 def policy_batch(policy_cfg, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -2,13 +2,15 @@
 
 Each is a ``str`` enum whose member names are their values, so a YAML preset or a command line writes the plain word
 (``checkpoint.format=dcp``) and Hydra refuses any other word at compose time, listing the allowed ones. A member
-compares equal to its string and prints as it (``f"{CheckpointFormat.dcp}"`` is ``dcp``), so JSON files and
-messages keep the words users type.
+compares equal to its string, hashes like it, and prints and reprs as it (``f"{CheckpointFormat.dcp!r}"`` is
+``'dcp'``), so JSON files and messages keep the words users type.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+
+from lerobot_mg.errors import ConfigError, config_error
 
 
 class Choice(str, Enum):
@@ -19,6 +21,9 @@ class Choice(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+    def __repr__(self) -> str:  # a message's `key={value!r}` shows the word typed, as for a plain string
+        return repr(self.value)
 
     @classmethod
     def values(cls) -> tuple[str, ...]:
@@ -73,3 +78,59 @@ class WandbMode(Choice):
     offline = "offline"
     online = "online"
     disabled = "disabled"
+
+
+# --- policy fields ---------------------------------------------------------------------------------------------
+
+
+class FeatureType(Choice):
+    """What a dataset feature is to a policy: its keys in ``policy.normalization_mapping``."""
+
+    VISUAL = "VISUAL"
+    STATE = "STATE"
+    ENV = "ENV"
+    ACTION = "ACTION"
+
+
+class NormalizationMode(Choice):
+    """``MEAN_STD``: zero mean, unit variance. ``MIN_MAX``: to [-1, 1]. ``IDENTITY``: unchanged."""
+
+    MEAN_STD = "MEAN_STD"
+    MIN_MAX = "MIN_MAX"
+    IDENTITY = "IDENTITY"
+
+
+class Activation(Choice):
+    relu = "relu"
+    gelu = "gelu"
+
+
+class NoiseScheduler(Choice):
+    DDPM = "DDPM"
+    DDIM = "DDIM"
+
+
+class BetaSchedule(Choice):
+    linear = "linear"
+    scaled_linear = "scaled_linear"
+    squaredcos_cap_v2 = "squaredcos_cap_v2"
+
+
+class PredictionType(Choice):
+    epsilon = "epsilon"
+    sample = "sample"
+
+
+def choice_error(key: str, value: object, choices: type[Enum]) -> ConfigError:
+    """``key=value`` is none of ``choices``: the allowed words, and as the fix the one that matches ignoring case
+    (``DCP`` -> ``dcp``), else the first. The words are the members' names, which is what OmegaConf accepts."""
+    names = [member.name for member in choices]
+    fix = next((name for name in names if name.lower() == str(value).lower()), names[0])
+    return config_error(key, value, f"must be one of {', '.join(names)}", f"{key}={fix}")
+
+
+def check_choice(key: str, value: object, choices: type[Enum]) -> None:
+    """Raise :func:`choice_error` unless ``value`` is one of ``choices`` (a config built in Python, or read from a
+    JSON file, is not checked by OmegaConf)."""
+    if value not in [member.value for member in choices]:
+        raise choice_error(key, value, choices)

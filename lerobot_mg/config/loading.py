@@ -11,13 +11,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+from omegaconf.nodes import EnumNode
 
-from lerobot_mg.config.schema import REPO_ROOT, SchedulerConfig, TrainConfig
+from lerobot_mg.config.choices import choice_error
+from lerobot_mg.config.schema import (
+    POLICY_CONFIGS,
+    REPO_ROOT,
+    SchedulerConfig,
+    TrainConfig,
+    policy_config_class,
+)
 from lerobot_mg.config.validate import check_resume_request
 from lerobot_mg.errors import ConfigError, config_error
-from lerobot_mg.policies.registry import get_policy_class
 
 CONF_DIR = REPO_ROOT / "conf"
 logger = logging.getLogger(__name__)
@@ -28,6 +38,7 @@ _HYDRA_FLAGS = {
     "config-path", "config-name", "config-dir", "info", "experimental-rerun",
 }
 _DOTTED_KEY = re.compile(r"^[A-Za-z_][\w.]*$")
+_DOTTED_OVERRIDE = re.compile(r"^[+~]*[A-Za-z_][\w.]*=")
 # The guide's flat spellings of keys that live in a config group here.
 _ALIASES = {"checkpoint_format": "checkpoint.format", "save_freq": "checkpoint.save_freq"}
 
@@ -55,6 +66,55 @@ def check_presets(overrides: list[str]) -> None:
                 raise config_error(key, option, f"is not a preset in conf/{key}/", f"{key}=<one of {', '.join(existing)}>")
 
 
+def choice_error_of(error: BaseException, key: str | None = None) -> ConfigError | None:
+    """The one-line user error for OmegaConf's refusal of a word that is none of an Enum field's members (raised
+    as it is, or as the cause of Hydra's composition error), naming ``key`` (default: the error's full key), the
+    allowed words and the fix; None for any other error."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__
+    if cause is None or not isinstance(getattr(cause, "child_node", None), EnumNode):
+        return None
+    return choice_error(key or cause.full_key, cause.value, cause.child_node.enum_type)
+
+
+def check_choices(overrides: list[str]) -> None:
+    """A ``key=value`` override of a field typed by an Enum (``checkpoint.format``, ``policy.feedforward_activation``,
+    ...) names one of its members; each value of a multirun's ``key=a,b`` too. Checked against the schemas before
+    Hydra composes, which would print the refusal over several lines and exit 1. A ``policy.*`` key is checked
+    against every policy config that has it."""
+    train_schema = OmegaConf.structured(TrainConfig)
+    parser = OverridesParser.create()
+    for typed in overrides:
+        if not _DOTTED_OVERRIDE.match(typed):
+            continue
+        try:
+            (override,) = parser.parse_overrides([typed])
+        except HydraException:  # a syntax error: Hydra reports it while composing
+            continue
+        if override.is_delete() or override.is_hydra_override():
+            continue
+        if override.is_sweep_override():  # a choice of words; a glob of presets or a range is no Enum field
+            if not isinstance(override.value(), ChoiceSweep):
+                continue
+            values: list[Any] = list(override.sweep_string_iterator())
+        else:
+            values = [override.value()]
+        key = override.key_or_group
+        if key.startswith("policy."):
+            schemas = [(OmegaConf.structured(config), key.removeprefix("policy.")) for config in POLICY_CONFIGS.values()]
+        else:
+            schemas = [(train_schema, key)]
+        for schema, schema_key in schemas:
+            for value in values:
+                try:
+                    OmegaConf.update(schema, schema_key, value, merge=True)
+                except OmegaConfBaseException as error:  # anything but a choice: Hydra reports it while composing
+                    translated = choice_error_of(error, key)
+                    if translated is not None:
+                        raise translated from None
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
     """Accept LeRobot's ``--steps=100`` / ``--parallelism.dp_shard=4`` spelling as Hydra overrides."""
     out = []
@@ -74,7 +134,7 @@ def schema_for(config: dict[str, Any] | DictConfig) -> DictConfig:
     schema = OmegaConf.structured(TrainConfig)
     policy_type = OmegaConf.select(OmegaConf.create(config), "policy.type", default=None)
     if policy_type is not None:
-        schema.policy = OmegaConf.structured(get_policy_class(str(policy_type)).config_class)
+        schema.policy = OmegaConf.structured(policy_config_class(str(policy_type)))
     return schema
 
 

@@ -14,9 +14,31 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from lerobot_mg.policies.registry import POLICIES
+from lerobot_mg.config.act import ACTConfig
+from lerobot_mg.config.choices import (
+    CheckpointFormat,
+    DatasetName,
+    MixedPrecision,
+    OptimizerType,
+    SchedulerType,
+    TorchDtype,
+    WandbMode,
+)
+from lerobot_mg.config.diffusion import DiffusionConfig
+from lerobot_mg.config.policy import PolicyConfig
+from lerobot_mg.errors import config_error
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# The config dataclass of each policy: the schema of its `policy` preset; lerobot_mg.policies.registry maps the same
+# names to the policy classes.
+POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {"act": ACTConfig, "diffusion": DiffusionConfig}
+
+
+def policy_config_class(name: str) -> type[PolicyConfig]:
+    if name not in POLICY_CONFIGS:
+        raise config_error("policy.type", name, "is not a known policy", f"policy=<one of {', '.join(POLICY_CONFIGS)}>")
+    return POLICY_CONFIGS[name]
 
 
 @dataclass
@@ -45,9 +67,9 @@ class MixedPrecisionPolicyConfig:
     from torch 2.15 it follows the parameters' own dtype. ``float16`` needs ``accelerator.mixed_precision=fp16``,
     which builds the loss scaler."""
 
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    output_dtype: str | None = None
+    param_dtype: TorchDtype | None = None
+    reduce_dtype: TorchDtype | None = None
+    output_dtype: TorchDtype | None = None
     cast_forward_inputs: bool | None = None
 
     def is_set(self) -> bool:
@@ -72,7 +94,7 @@ class FSDPConfig:
 
 @dataclass
 class AcceleratorConfig:
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    mixed_precision: MixedPrecision = MixedPrecision.no
     gradient_accumulation: GradientAccumulationConfig = field(default_factory=GradientAccumulationConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cpu: bool = False  # train on the CPU even when a GPU is visible
@@ -92,7 +114,7 @@ class AcceleratorConfig:
 
 @dataclass
 class CheckpointConfig:
-    format: str = "safetensors"  # safetensors | dcp | safetensors_dcp (the last two: sharded runs only)
+    format: CheckpointFormat = CheckpointFormat.safetensors  # dcp, safetensors_dcp: sharded runs only
     save_freq: int = 1000  # loop steps between checkpoints; the last step is always saved
     save_checkpoint: bool = True
     keep_last: int | None = None  # prune older checkpoints, never the one `last` names
@@ -107,14 +129,19 @@ class CheckpointConfig:
 
 @dataclass
 class DatasetConfig:
-    name: str = "lerobot"  # embedded | lerobot (a LeRobot v3.0 directory on disk)
-    root: str = "???"
+    """The dataset to train on: the embedded ALOHA transfer-cube demonstrations (conf/dataset/embedded.yaml, the
+    default, names their cache directory), or ``dataset=lerobot dataset.root=<dir>``: any LeRobot v3.0 directory.
+    ``root`` has no default here: a preset merged over a value cannot make it missing again, and ``dataset=lerobot``
+    must refuse to start without a root rather than read the embedded demos."""
+
+    name: DatasetName = DatasetName.embedded
+    root: str = MISSING
     episodes: list[int] | None = None
 
 
 @dataclass
 class OptimizerConfig:
-    type: str = "adamw"
+    type: OptimizerType = OptimizerType.adamw
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -124,9 +151,11 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    type: str = "cosine"  # none | constant | cosine  (stepped once per loop step)
-    num_warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optimizer.lr
+    type: SchedulerType = SchedulerType.cosine  # stepped once per loop step
+    # Linear warm-up steps. Unless typed on the command line, they take at most a tenth of a run shorter than the
+    # default 2,000 steps (a resumed run keeps its saved schedule).
+    num_warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of optimizer.lr
 
 
 @dataclass
@@ -140,7 +169,7 @@ class PeftConfig:
     never rescaled behind your back by a library default (peft's own default alpha is 8 whatever ``r``).
     """
 
-    method_type: str | None = None  # null | LORA
+    method_type: str | None = None  # null | LORA (peft/lora.py checks it)
     r: int = 16
     lora_alpha: float | None = None  # null: = r (scale 1)
     dropout: float = 0.0  # on the adapter's input
@@ -157,7 +186,7 @@ class PeftConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "lerobot_mg"
     entity: str | None = None
     group: str | None = None  # runs of one group show together; a sweep sets it to the sweep's name
@@ -214,5 +243,5 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for name, policy_class in POLICIES.items():  # conf/policy/<name>.yaml starts from <name>_schema
-        cs.store(group="policy", name=f"{name}_schema", node=policy_class.config_class)
+    for name, config_class in POLICY_CONFIGS.items():  # conf/policy/<name>.yaml starts from <name>_schema
+        cs.store(group="policy", name=f"{name}_schema", node=config_class)

@@ -20,9 +20,9 @@ from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.loading import override_keys
+from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
-from lerobot_mg.policies.registry import get_policy_class
 
 # config.json keys that describe the saved policy's data rather than its hyper-parameters.
 _FEATURE_KEYS = ("input_features", "output_features")
@@ -111,7 +111,7 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     }
     saved = read_policy_config(path)
     if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
-        composed.policy = OmegaConf.structured(get_policy_class(str(saved["type"])).config_class)
+        composed.policy = OmegaConf.structured(policy_config_class(str(saved["type"])))
     base = {f"policy.{name}": value for name, value in saved.items()}
     for key, value in {**base, "policy.path": path, **kept}.items():
         OmegaConf.update(composed, key, value, merge=False)

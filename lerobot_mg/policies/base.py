@@ -17,12 +17,13 @@ import json
 from collections import deque
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypedDict
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.errors import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -38,28 +39,6 @@ _CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
 class FeatureSpec(TypedDict):
     type: str
     shape: list[int]
-
-
-class PolicyConfig(Protocol):
-    """What the base class and the trainer need from a policy config dataclass."""
-
-    action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
-    type: str
-    path: str | None  # a pretrained_model/ directory to fine-tune, or None
-    observation_keys: list[str] | None
-    n_action_steps: int
-    normalization_mapping: dict[str, str]
-
-    @property
-    def observation_delta_indices(self) -> list[int] | None:
-        """Frame offsets of the observation history (consecutive, ending at 0), or None for the current frame
-        alone without a time dim."""
-
-    @property
-    def action_delta_indices(self) -> list[int]:
-        """Frame offsets of the action chunk; the first may be negative (the chunk starts in the past)."""
-
-    def validate(self) -> None: ...
 
 
 def _visual_shape_chw(key: str, spec: dict[str, Any]) -> list[int]:
@@ -149,7 +128,7 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     """Base of every policy: forward returns (loss, logs) on a normalised batch; save/load as safetensors."""
 
     name: ClassVar[str]
-    config_class: ClassVar[type]
+    config_class: ClassVar[type[PolicyConfig]]
     # Class names of the repeated blocks FSDP shards as units; the rest stays in the root unit.
     _fsdp_wrap_modules: ClassVar[list[str]] = []
     # Class names of the blocks accelerator.activation_checkpointing recomputes; empty: the wrap units. Declared
@@ -277,7 +256,7 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
             )
 
     @classmethod
-    def read_config(cls, directory: Path) -> tuple[Any, dict[str, FeatureSpec], dict[str, FeatureSpec]]:
+    def read_config(cls, directory: Path) -> tuple[PolicyConfig, dict[str, FeatureSpec], dict[str, FeatureSpec]]:
         """(config, input_features, output_features) from ``directory``'s config.json, validated."""
         directory = Path(directory)
         config_path = directory / CONFIG_NAME

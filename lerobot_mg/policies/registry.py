@@ -9,17 +9,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lerobot_mg.config.policy import PolicyConfig
+from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
-from lerobot_mg.policies.base import CONFIG_NAME, PolicyConfig, PreTrainedPolicy, features_from_dataset
+from lerobot_mg.policies.base import CONFIG_NAME, PreTrainedPolicy, features_from_dataset
 from lerobot_mg.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
+# The same names as the config layer's POLICY_CONFIGS; each class's config_class is the config registered there.
 POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy, "diffusion": DiffusionPolicy}
 
 
 def get_policy_class(name: str) -> type[PreTrainedPolicy]:
-    if name not in POLICIES:
-        raise ConfigError(f"policy.type={name!r} is not a known policy; choose one of {sorted(POLICIES)}.")
+    policy_config_class(name)  # refuses an unknown name
     return POLICIES[name]
 
 

@@ -149,8 +149,8 @@ from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.distributed.wrap import plan_units
-from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.registry import make_policy
 
 dp_replicate, dp_shard, root, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

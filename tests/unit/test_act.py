@@ -274,15 +274,15 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"n_action_steps": 6}, r"policy\.n_action_steps=6 exceeds policy\.chunk_size=5"),
-        ({"dim_model": 30}, r"policy\.dim_model=30 is not divisible by policy\.n_heads=4"),
-        ({"feedforward_activation": "swish"}, r"policy\.feedforward_activation='swish'"),
-        ({"dropout": 1.5}, r"policy\.dropout=1\.5"),
-        ({"chunk_size": 0}, r"policy\.chunk_size=0 must be >= 1"),
-        ({"vision_channels": []}, r"policy\.vision_channels=\[\]"),
-        ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE'"),
-        ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"unknown feature type 'DEPTH'"),
-        ({"observation_keys": ["action"]}, r"policy\.observation_keys=\['action'\]"),
+        ({"n_action_steps": 6}, r"policy\.n_action_steps=6: exceeds policy\.chunk_size=5.*\. Fix: policy\.n_action_steps=5$"),
+        ({"dim_model": 30}, r"policy\.dim_model=30: is not divisible by policy\.n_heads=4.*\. Fix: policy\.n_heads=3$"),
+        ({"feedforward_activation": "swish"}, r"policy\.feedforward_activation='swish': must be one of relu, gelu\. Fix: policy\.feedforward_activation=relu$"),
+        ({"dropout": 1.5}, r"policy\.dropout=1\.5: must be in \[0, 1\)\. Fix: policy\.dropout=0\.1$"),
+        ({"chunk_size": 0}, r"policy\.chunk_size=0: must be >= 1\. Fix: policy\.chunk_size=1$"),
+        ({"vision_channels": []}, r"policy\.vision_channels=\[\]: .*\. Fix: policy\.vision_channels=\[32,64,128,256\]$"),
+        ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE': must be one of MEAN_STD, MIN_MAX, IDENTITY\. Fix: "),
+        ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"policy\.normalization_mapping\.DEPTH='MEAN_STD': 'DEPTH' is not a feature type .*\. Fix: ~policy\.normalization_mapping\.DEPTH$"),
+        ({"observation_keys": ["action"]}, r"policy\.observation_keys=\['action'\]: .*\. Fix: policy\.observation_keys=\[observation\.state\]"),
     ],
 )
 def test_config_validation_errors(overrides: dict, message: str) -> None:
@@ -303,7 +303,7 @@ def test_registry() -> None:
     assert POLICIES == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
     assert get_policy_class("act") is ACTPolicy
     with pytest.raises(
-        ValueError, match=r"policy\.type='vqbet' is not a known policy; choose one of \['act', 'diffusion'\]"
+        ValueError, match=r"policy\.type='vqbet': is not a known policy\. Fix: policy=<one of act, diffusion>$"
     ):
         get_policy_class("vqbet")
 
@@ -318,7 +318,7 @@ def test_make_policy_from_hydra_config_and_dataset_features() -> None:
         "observation.state": {"type": "STATE", "shape": [2]},
     }
     assert policy.output_features == {"action": {"type": "ACTION", "shape": [2]}}
-    with pytest.raises(ConfigError, match="n_action_steps=6 exceeds"):
+    with pytest.raises(ConfigError, match="n_action_steps=6: exceeds"):
         make_policy(tiny_config(n_action_steps=6), info["features"])
 
 

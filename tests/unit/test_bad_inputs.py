@@ -26,6 +26,7 @@ from hydra import compose, initialize_config_dir
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import (
     CONF_DIR,
+    check_choices,
     check_presets,
     merge_resume_config,
     override_keys,
@@ -108,7 +109,7 @@ CATALOGUE = [
              "checkpoint.format='dcp': DCP weight shards only exist for sharded runs",
              "checkpoint.format=safetensors, or shard with parallelism.dp_shard=-1"),
     BadInput("format_in_the_wrong_case", [*SHARDED, "checkpoint.format=DCP"],
-             "checkpoint.format='DCP': must be one of ('safetensors', 'dcp', 'safetensors_dcp') (lower case)",
+             "checkpoint.format='DCP': must be one of safetensors, dcp, safetensors_dcp",
              "checkpoint.format=dcp", world_size=2),
     # --- sharding options ------------------------------------------------------------------------------------
     BadInput("wrap_class_the_policy_lacks", [*SHARDED, "accelerator.fsdp.wrap_modules=[TransformerBlock]"],
@@ -130,7 +131,7 @@ CATALOGUE = [
              "parallelism.dp_shard=-1 to shard, or remove accelerator.fsdp.cpu_offload", world_size=2),
     # --- precision and steps ---------------------------------------------------------------------------------
     BadInput("unknown_mixed_precision", [*VALID, "accelerator.mixed_precision=fp8"],
-             "accelerator.mixed_precision='fp8': must be one of ('no', 'bf16', 'fp16')", "accelerator.mixed_precision=bf16"),
+             "accelerator.mixed_precision='fp8': must be one of no, bf16, fp16", "accelerator.mixed_precision=no"),
     BadInput("accumulation_below_1", [*VALID, "accelerator.gradient_accumulation.steps=0"],
              "accelerator.gradient_accumulation.steps=0: must be >= 1", "accelerator.gradient_accumulation.steps=1"),
     BadInput("steps_not_a_multiple_of_accumulation", [*VALID, "accelerator.gradient_accumulation.steps=4",
@@ -263,8 +264,8 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "mixed_precision",
         [*VALID, "accelerator.mixed_precision=fp8"],
         1,
-        "accelerator.mixed_precision='fp8': must be one of ('no', 'bf16', 'fp16')",
-        "accelerator.mixed_precision=bf16",
+        "accelerator.mixed_precision='fp8': must be one of no, bf16, fp16",
+        "accelerator.mixed_precision=no",
     ),
     (
         "gradient_accumulation",
@@ -299,9 +300,8 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "unknown_policy_dtype",
         [*DP_SHARD_2, "accelerator.fsdp.mixed_precision_policy.reduce_dtype=fp32"],
         2,
-        "accelerator.fsdp.mixed_precision_policy.reduce_dtype='fp32': must be one of "
-        "('float32', 'bfloat16', 'float16')",
-        "accelerator.fsdp.mixed_precision_policy.reduce_dtype=bfloat16",
+        "accelerator.fsdp.mixed_precision_policy.reduce_dtype='fp32': must be one of float32, bfloat16, float16",
+        "accelerator.fsdp.mixed_precision_policy.reduce_dtype=float32",
     ),
     (
         "float16_without_fp16",
@@ -323,7 +323,7 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "checkpoint_format",
         [*VALID, "checkpoint.format=pickle"],
         1,
-        "checkpoint.format='pickle': must be one of ('safetensors', 'dcp', 'safetensors_dcp')",
+        "checkpoint.format='pickle': must be one of safetensors, dcp, safetensors_dcp",
         "checkpoint.format=safetensors",
     ),
     (
@@ -345,8 +345,8 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "dataset_name",
         [*VALID, "dataset.name=hub"],
         1,
-        "dataset.name='hub': must be one of ('embedded', 'lerobot')",
-        "dataset=lerobot",
+        "dataset.name='hub': must be one of embedded, lerobot",
+        "dataset.name=embedded",
     ),
     (
         "missing_dataset_root",
@@ -366,8 +366,8 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "optimizer_type",
         [*VALID, "optimizer.type=sgd"],
         1,
-        "optimizer.type='sgd': only adamw is available",
-        "optimizer=adamw",
+        "optimizer.type='sgd': must be one of adamw",
+        "optimizer.type=adamw",
     ),
     ("lr", [*VALID, "optimizer.lr=0"], 1, "optimizer.lr=0.0: must be > 0", "optimizer.lr=1e-4"),
     (
@@ -381,8 +381,8 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "scheduler_type",
         [*VALID, "scheduler.type=linear"],
         1,
-        "scheduler.type='linear': must be one of ('none', 'constant', 'cosine')",
-        "scheduler=cosine",
+        "scheduler.type='linear': must be one of none, constant, cosine",
+        "scheduler.type=none",
     ),
     (
         "warmup_not_below_steps",
@@ -416,7 +416,7 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "wandb_mode",
         [*VALID, "logging.wandb.mode=cloud"],
         1,
-        "logging.wandb.mode='cloud': must be one of ('offline', 'online', 'disabled')",
+        "logging.wandb.mode='cloud': must be one of offline, online, disabled",
         "logging.wandb.mode=offline",
     ),
     (
@@ -507,6 +507,7 @@ def _refusal(row: BadInput, tmp: Path) -> str:
     typed = [arg.replace("<tmp>", str(tmp)) for arg in row.typed]
     with pytest.raises(ConfigError) as error:
         check_presets(typed)
+        check_choices(typed)
         cfg = _run_config(typed, row.world_size)
         preflight(cfg, row.world_size, env=row.env)
     assert not torch.distributed.is_initialized()  # refused before any process group
@@ -580,12 +581,13 @@ def _accelerate_launch(*options: str) -> list[str]:
             str(TRAIN_SCRIPT)]
 
 
-# (id, command before the overrides, extra overrides, environment, files to write: name -> text). Two rows through
-# scripts/train.py itself (a refusal by validate, and a preset name refused before Hydra composes), and the two
+# (id, command before the overrides, extra overrides, environment, files to write: name -> text). Three rows through
+# scripts/train.py itself (a refusal by validate, a preset name and a wrong word refused before Hydra composes), and the two
 # sources of accelerate variables that only exist under `accelerate launch`: its config file and its default config.
 COMMAND_ROWS = [
     ("steps_negative", [PYTHON, str(TRAIN_SCRIPT)], ["steps=-100"], {}, {}),
     ("unknown_experiment", [PYTHON, str(TRAIN_SCRIPT)], ["experiment=pusht_debg"], {}, {}),
+    ("format_in_the_wrong_case", [PYTHON, str(TRAIN_SCRIPT)], ["checkpoint.format=DCP"], {}, {}),
     ("accelerate_config_file", _accelerate_launch("--config_file", "<tmp>/accelerate.yaml"), [], {},
      {"accelerate.yaml": ACCELERATE_CONFIG}),
     ("accelerate_default_config", _accelerate_launch(), [], {"HF_HOME": "<tmp>/hf"},
@@ -595,6 +597,8 @@ COMMAND_ROWS = [
 COMMAND_LINES = {
     "steps_negative": "steps=-100: must be >= 1",
     "unknown_experiment": "experiment='pusht_debg': is not a preset in conf/experiment/",
+    "format_in_the_wrong_case": "checkpoint.format='DCP': must be one of safetensors, dcp, safetensors_dcp. Fix: "
+                                "checkpoint.format=dcp",
     "accelerate_config_file": "ACCELERATE_MIXED_PRECISION=bf16 ACCELERATE_USE_CPU=True: accelerate configuration",
     "accelerate_default_config": "ACCELERATE_MIXED_PRECISION=bf16 ACCELERATE_USE_CPU=True: accelerate configuration",
 }

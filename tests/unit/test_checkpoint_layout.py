@@ -27,9 +27,9 @@ from lerobot_mg.checkpoint.state import (
     unflatten_optimizer_state,
     unpack_rank_states,
 )
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 from lerobot_mg.run_facts import Progress
 

@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationEr
 
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
-from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.schema import POLICY_CONFIGS, TrainConfig
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.preflight import preflight
@@ -115,7 +115,7 @@ def test_every_preset_composes_into_the_schema_and_validates(group: str, option:
         _assert_subset(preset, actual)
     else:
         if group == "dataset":
-            preset.pop("root")
+            preset.pop("root", None)
         _assert_subset(preset, actual[group], group)
 
     cfg = to_train_config(composed)
@@ -125,6 +125,35 @@ def test_every_preset_composes_into_the_schema_and_validates(group: str, option:
     if cfg.policy.observation_keys is not None:
         cfg.policy.observation_keys = [key for key in cfg.policy.observation_keys if key in pusht_features] or None
     preflight(cfg, world_size)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "normalization_mapping":
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+GROUP_PRESETS = [(group, option) for group, option in PRESETS if group != "experiment"]
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_PRESETS, ids=[f"{g}={o}" for g, o in GROUP_PRESETS])
+def test_a_preset_states_only_what_it_changes_from_the_schema(group: str, option: str) -> None:
+    """Defaults live once, in the schema dataclasses: a preset restating one would keep its own copy when the
+    schema's changes (the default presets of conf/train.yaml state nothing but the embedded dataset's root)."""
+    register_configs()
+    schema = OmegaConf.structured(POLICY_CONFIGS[option] if group == "policy" else TrainConfig)
+    defaults = _flat(OmegaConf.to_container(schema if group == "policy" else schema[group]))
+    preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
+    preset.pop("defaults", None)
+    restated = {key: value for key, value in _flat(preset).items() if defaults.get(key, object()) == value}
+    assert not restated, f"conf/{group}/{option}.yaml restates schema defaults {restated}"
+    train_defaults = OmegaConf.load(CONF_DIR / "train.yaml").defaults
+    if {group: option} in train_defaults and (group, option) != ("dataset", "embedded"):
+        assert not preset, f"conf/{group}/{option}.yaml is the default preset: it should equal the schema"
 
 
 def test_defaults_are_the_offline_single_process_run() -> None:
@@ -337,7 +366,7 @@ def test_existing_output_dir_without_resume_is_refused(tmp_path: Path) -> None:
 
 
 def test_policy_errors_name_the_policy_key() -> None:
-    with pytest.raises(ConfigError, match=r"policy.n_action_steps=20 exceeds policy.chunk_size=10"):
+    with pytest.raises(ConfigError, match=r"policy.n_action_steps=20: exceeds policy.chunk_size=10"):
         preflight(_train_config([*VALID, "policy.n_action_steps=20"]), world_size=1)
 
 

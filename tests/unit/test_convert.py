@@ -19,8 +19,8 @@ from lerobot_mg.checkpoint.convert import (
     read_dcp_tensors,
 )
 from lerobot_mg.cli import parse
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.peft.lora import load_policy
-from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
 
 # The shards are written without a process group on purpose; torch warns about that on every save.

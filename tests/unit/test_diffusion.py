@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.data.sampler import sample_seeds
 from lerobot_mg.errors import ConfigError
@@ -20,7 +21,6 @@ from lerobot_mg.policies import (
     load_pretrained,
     make_policy,
 )
-from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 from lerobot_mg.policies.diffusion.modeling_diffusion import NoiseSchedule
 from tests.launch_utils import PUSHT_SLICE
@@ -274,7 +274,7 @@ def test_make_policy_from_the_pusht_features() -> None:
     policy = make_policy(tiny_config(crop_shape=[84, 84]), info["features"])
     assert isinstance(policy, DiffusionPolicy)
     assert policy.input_features["observation.image"] == {"type": "VISUAL", "shape": [3, 96, 96]}
-    with pytest.raises(ConfigError, match=r"policy.crop_shape=\[100, 84\] is larger than the images"):
+    with pytest.raises(ConfigError, match=r"policy.crop_shape=\[100, 84\]: is larger than the images.*\. Fix: policy.crop_shape=\[96,96\]"):
         make_policy(tiny_config(crop_shape=[100, 84]), info["features"])
 
 
@@ -295,16 +295,16 @@ def test_policy_path_to_a_diffusion_base_makes_a_diffusion_run(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"horizon": 9}, r"policy.horizon=9 is not a multiple of 2, .* Set policy.horizon=10"),
-        ({"n_action_steps": 8}, r"policy.n_action_steps=8 exceeds the 7 frames"),
-        ({"n_groups": 5}, r"policy.n_groups=5 does not divide the U-Net widths \[16, 32\]"),
-        ({"kernel_size": 4}, r"policy.kernel_size=4 must be odd"),
-        ({"noise_scheduler_type": "DPM"}, r"policy.noise_scheduler_type='DPM' is not one of \['DDPM', 'DDIM'\]"),
-        ({"num_inference_steps": 30}, r"policy.num_inference_steps=30 exceeds policy.num_train_timesteps=20"),
-        ({"crop_shape": [84]}, r"policy.crop_shape=\[84\] must be \[height, width\]"),
-        ({"down_dims": []}, r"policy.down_dims=\[\] needs at least one positive width"),
-        ({"n_obs_steps": 0}, r"policy.n_obs_steps=0 must be >= 1"),
-        ({"normalization_mapping": {"ACTION": "MINMAX"}}, r"policy.normalization_mapping.ACTION='MINMAX'"),
+        ({"horizon": 9}, r"policy.horizon=9: is not a multiple of 2, .*\. Fix: policy.horizon=10$"),
+        ({"n_action_steps": 8}, r"policy.n_action_steps=8: exceeds the 7 frames.*\. Fix: policy.n_action_steps=7"),
+        ({"n_groups": 5}, r"policy.n_groups=5: does not divide the U-Net widths \[16, 32\].*\. Fix: policy.n_groups=4$"),
+        ({"kernel_size": 4}, r"policy.kernel_size=4: must be odd.*\. Fix: policy.kernel_size=5$"),
+        ({"noise_scheduler_type": "DPM"}, r"policy.noise_scheduler_type='DPM': must be one of DDPM, DDIM\. Fix: policy.noise_scheduler_type=DDPM$"),
+        ({"num_inference_steps": 30}, r"policy.num_inference_steps=30: exceeds policy.num_train_timesteps=20"),
+        ({"crop_shape": [84]}, r"policy.crop_shape=\[84\]: must be \[height, width\]"),
+        ({"down_dims": []}, r"policy.down_dims=\[\]: needs at least one positive width"),
+        ({"n_obs_steps": 0}, r"policy.n_obs_steps=0: must be >= 1\. Fix: policy.n_obs_steps=1$"),
+        ({"normalization_mapping": {"ACTION": "MINMAX"}}, r"policy.normalization_mapping.ACTION='MINMAX': must be one of .*\. Fix: policy.normalization_mapping.ACTION=MEAN_STD$"),
     ],
 )
 def test_config_validation_errors(overrides: dict, message: str) -> None:

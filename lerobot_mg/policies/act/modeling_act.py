@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies.act.configuration_act import ACTConfig
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy
 from lerobot_mg.policies.vision import VisionBackbone
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.config.diffusion import DiffusionConfig
+from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY, FeatureSpec, PreTrainedPolicy
-from lerobot_mg.policies.diffusion.configuration_diffusion import DiffusionConfig
 from lerobot_mg.policies.vision import VisionBackbone
 
 # --- noise schedule and samplers ---------------------------------------------------------------------------
@@ -314,9 +314,9 @@ class DiffusionPolicy(PreTrainedPolicy):
                 _, height, width = self.input_features[key]["shape"]
                 crop_height, crop_width = config.crop_shape
                 if crop_height > height or crop_width > width:
-                    raise ConfigError(
-                        f"policy.crop_shape={list(config.crop_shape)} is larger than the images of {key!r} "
-                        f"({height}x{width}); pass e.g. policy.crop_shape=[{height},{width}] or null."
+                    raise config_error(
+                        "policy.crop_shape", list(config.crop_shape), f"is larger than the images of {key!r} "
+                        f"({height}x{width})", f"policy.crop_shape=[{height},{width}], or policy.crop_shape=null"
                     )
                 encoder_features[key]["shape"] = [self.input_features[key]["shape"][0], crop_height, crop_width]
         self.obs_encoder = ObservationEncoder(config, encoder_features)  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""The base of every policy config: the fields all policies share, their checks, and the contract of the frames a
+training sample holds.
+
+Plain dataclasses of plain types (no torch): each policy's config is also the Hydra schema of its ``policy`` preset
+(:data:`POLICY_CONFIGS`), so a typo or a wrong type fails at compose time and the config survives an OmegaConf round
+trip. ``validate`` repeats the checks for a config built in Python or read from a checkpoint's config.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from lerobot_mg.config.choices import FeatureType, NormalizationMode, check_choice
+from lerobot_mg.errors import config_error
+
+
+def _default_vision_channels() -> list[int]:
+    # Stage widths of our own small ResNet-style backbone (one BasicBlock per stage, total stride 16), trained from
+    # scratch: no downloaded weights.
+    return [32, 64, 128, 256]
+
+
+def _mean_std_everywhere() -> dict[str, NormalizationMode]:
+    return {feature_type.value: NormalizationMode.MEAN_STD for feature_type in FeatureType}
+
+
+def check_positive_ints(values: dict[str, int]) -> None:
+    """Each ``policy.<name>`` of ``values`` is at least 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise config_error(f"policy.{name}", value, "must be >= 1", f"policy.{name}=1")
+
+
+def _list_override(values: list[int]) -> str:
+    return f"[{','.join(str(value) for value in values)}]"
+
+
+@dataclass
+class PolicyConfig:
+    """What the policy base class and the trainer read from every policy config.
+
+    A subclass sets ``type`` (its preset's name), ``action_length_key``, ``action_delta_indices`` (and
+    ``observation_delta_indices`` when it keeps an observation history), and checks its own fields in
+    ``check_fields``.
+    """
+
+    action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
+
+    type: str = ""
+    # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
+    # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
+    path: str | None = None
+    # Dataset keys fed to the policy; None means every `observation.*` key of the dataset.
+    observation_keys: list[str] | None = None
+    # Actions of a predicted chunk that run before the next prediction.
+    n_action_steps: int = 1
+    # Image encoder: the stage widths of our backbone (lerobot_mg.policies.vision).
+    vision_channels: list[int] = field(default_factory=_default_vision_channels)
+    # Normalisation mode per feature type (VISUAL, STATE, ENV, ACTION): MEAN_STD, MIN_MAX (to [-1, 1]) or IDENTITY.
+    normalization_mapping: dict[str, NormalizationMode] = field(default_factory=_mean_std_everywhere)
+
+    @property
+    def observation_delta_indices(self) -> list[int] | None:
+        """Frame offsets of the observation history (consecutive, ending at 0), or None for the current frame
+        alone without a time dim."""
+        return None
+
+    @property
+    def action_delta_indices(self) -> list[int]:
+        """Frame offsets of the action chunk each sample loads; the first may be negative (the chunk starts in the
+        past). Its length is set by the field ``action_length_key`` names."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which action frames a sample holds")
+
+    def check_fields(self) -> None:
+        """The policy's own checks (a subclass overrides it); the shared fields are checked by ``validate``."""
+
+    def validate(self) -> None:
+        """Raise a ConfigError naming ``policy.<field>``, the bad value and the fix."""
+        preset = type(self).__dataclass_fields__["type"].default
+        if self.type != preset:
+            raise config_error("policy.type", self.type, f"does not match {type(self).__name__}", f"policy={preset}")
+        check_positive_ints({"n_action_steps": self.n_action_steps})
+        self.check_fields()
+        if not self.vision_channels or any(width < 1 for width in self.vision_channels):
+            raise config_error(
+                "policy.vision_channels", list(self.vision_channels), "needs at least one positive stage width",
+                f"policy.vision_channels={_list_override(_default_vision_channels())}",
+            )
+        for feature_type, mode in self.normalization_mapping.items():
+            key = f"policy.normalization_mapping.{feature_type}"
+            if feature_type not in FeatureType.values():
+                raise config_error(
+                    key, mode, f"{feature_type!r} is not a feature type ({', '.join(FeatureType.values())})",
+                    f"~{key}",
+                )
+            check_choice(key, mode, NormalizationMode)
+        if self.observation_keys is not None:
+            bad_keys = [key for key in self.observation_keys if not key.startswith("observation.")]
+            if not self.observation_keys or bad_keys:
+                raise config_error(
+                    "policy.observation_keys", list(self.observation_keys),
+                    "must be a non-empty list of `observation.*` dataset keys",
+                    "policy.observation_keys=[observation.state], or policy.observation_keys=null for all of them",
+                )
