@@ -96,11 +96,11 @@ class CompareArgs:
     check_resume: bool = field(default=False, metadata={"help": "with two runs, one resumed: compare the digests of "
                                                                 "what the loaders delivered around each resume"})
     window: int | None = field(default=None, metadata={"help": "with check_resume: that many updates either side"})
+    out: Path | None = field(default=None, metadata={"help": "for the PNG and report.md (outputs/compare/<runs>)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object instead of the text report"})
     tolerance: float | None = field(default=None, metadata={
         "help": "relative tolerance within which figures measured by the clock (compute budget) count as held "
                 "fixed (null: 0.1, 10 %); counts are always compared exactly"})
-    out: Path | None = field(default=None, metadata={"help": "for the PNG and report.md (outputs/compare/<runs>)"})
-    json: bool = field(default=False, metadata={"help": "print one JSON object instead of the text report"})
 
 
 def compare_runs(argv: list[str] | None = None) -> int:
