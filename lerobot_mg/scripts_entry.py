@@ -100,6 +100,9 @@ class CompareArgs:
     window: int | None = field(default=None, metadata={"help": "with check_resume: that many updates either side"})
     out: Path | None = field(default=None, metadata={"help": "for the PNG and report.md (outputs/compare/<runs>)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object instead of the text report"})
+    tolerance: float | None = field(default=None, metadata={
+        "help": "relative tolerance within which figures measured by the clock (compute budget) count as held "
+                "fixed (null: 0.1, 10 %); counts are always compared exactly"})
 
 
 def compare_runs(argv: list[str] | None = None) -> int:
@@ -114,7 +117,8 @@ def _compare(args: CompareArgs) -> int:
     from lerobot_mg.accounting.ledger import read_ledger
 
     records = [read_ledger(run_dir) for run_dir in args.run_dirs]
-    comparison = compare.compare_runs(records)
+    tolerance = compare.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    comparison = compare.compare_runs(records, tolerance)
     if args.window is not None and not args.check_resume:
         raise ConfigError("window only applies with check_resume=true; add check_resume=true or drop window.")
     check = compare.check_resume(*compare.pick_resumed_run(records), window=args.window) if args.check_resume else None

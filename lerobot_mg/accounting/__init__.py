@@ -1,2 +1,3 @@
-"""What each run trained on and under which conditions (docs/comparing-runs.md): the facts of every start
-(``facts``), the run ledger (``ledger``), the comparison of runs (``compare``) and its report and CLI (``report``)."""
+"""What each run trained on and under which conditions, so that two runs can be compared honestly
+(docs/comparing-runs.md): the run ledger (``ledger``), the comparison of runs (``compare``) and its report
+(``report``); the facts of every start live in ``lerobot_mg.run_facts``."""

@@ -2,12 +2,19 @@
 exposure and a clean resume can change the sample stream, so a comparison states each run's arithmetic behind the
 step counter, which quantities the runs held fixed, the conditions of every start and resume, and (on request)
 whether a resumed run's loaders delivered the reference run's samples.
+
+Counts (sample presentations, optimizer updates, the effective batch) are held fixed only when they are equal.
+A figure measured by the clock (the compute budget in worker-seconds) is never reproduced exactly, not even by the
+same run twice, so it is held fixed when the runs' unrounded figures lie within a relative tolerance of each other
+(``DEFAULT_TOLERANCE``, ``tolerance=`` on ``lerobot-mg-compare``); the report prints the figures and the tolerance.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +23,86 @@ from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import FactChange, Progress, describe
 
-HELD_FIXED_QUANTITIES = ("data exposure", "update count", "effective batch", "compute budget")
-COMPUTE_BUDGET_TOLERANCE = 0.10  # wall time is never reproduced exactly: within 10 % two budgets are the same
+DEFAULT_TOLERANCE = 0.10  # relative: two figures measured by the clock within 10 % of each other are the same
 STREAM_FACTS = ("batch", "topology", "dataset_fingerprint")  # changed at a resume, they change the sample stream
+
+
+class Quantity(str, Enum):
+    """What two runs may hold fixed. Members are in report order."""
+
+    DATA_EXPOSURE = "data exposure"  # sample presentations (total)
+    UPDATE_COUNT = "update count"  # optimizer updates (total)
+    EFFECTIVE_BATCH = "effective batch"
+    COMPUTE_BUDGET = "compute budget"  # wall time x world size, measured by the clock
+
+    @property
+    def unit(self) -> str:
+        return {Quantity.DATA_EXPOSURE: "sample presentations", Quantity.UPDATE_COUNT: "optimizer updates",
+                Quantity.EFFECTIVE_BATCH: "samples per update", Quantity.COMPUTE_BUDGET: "worker-seconds"}[self]
+
+
+HELD_FIXED_QUANTITIES = tuple(Quantity)
+
+
+class Held(str, Enum):
+    """The verdict on one quantity."""
+
+    HELD = "held fixed"
+    NOT_HELD = "not held fixed"
+    UNKNOWN = "unknown"  # a figure measured by the clock that a run did not record
+
+
+@dataclass(frozen=True)
+class HeldFixed:
+    """Whether the runs held one quantity fixed, and the figures that decided it.
+
+    ``figures`` has one entry per run: the values the run went through, in order (more than one: it changed at a
+    resume, so the run did not hold it fixed), unrounded. A count is held fixed when every run has one value and
+    all are equal (``tolerance`` None). A figure measured by the clock is held fixed when the largest is at most
+    ``tolerance`` (relative) above the smallest: ``max - min <= tolerance * min``.
+    """
+
+    quantity: Quantity
+    figures: tuple[tuple[float, ...], ...]
+    tolerance: float | None
+    verdict: Held
+
+    @property
+    def held(self) -> bool:
+        return self.verdict is Held.HELD
+
+    @property
+    def spread(self) -> float | None:
+        """How far apart the runs' figures are, relative to the smallest (0.05: 5 %); None where unknown or a run
+        changed its value."""
+        values = [run[0] for run in self.figures if len(run) == 1]
+        if len(values) < len(self.figures) or min(values) <= 0:
+            return None
+        return (max(values) - min(values)) / min(values)
+
+
+def exact_count(quantity: Quantity, figures: Sequence[Sequence[int]]) -> HeldFixed:
+    """The verdict on a count: held fixed when every run has one value and all are the same."""
+    held = all(len(run) == 1 for run in figures) and _same([tuple(run) for run in figures])
+    return HeldFixed(quantity, tuple(tuple(run) for run in figures), None, Held.HELD if held else Held.NOT_HELD)
+
+
+def within_tolerance(quantity: Quantity, figures: Sequence[float], tolerance: float) -> HeldFixed:
+    """The verdict on a figure measured by the clock, one per run: unknown when a run recorded none (0), else held
+    fixed when ``max - min <= tolerance * min``."""
+    smallest, largest = min(figures), max(figures)
+    if smallest <= 0:
+        verdict = Held.UNKNOWN
+    else:
+        verdict = Held.HELD if largest - smallest <= tolerance * smallest else Held.NOT_HELD
+    return HeldFixed(quantity, tuple((figure,) for figure in figures), tolerance, verdict)
+
+
+def clock_figure(seconds: float) -> str:
+    """A figure measured by the clock for display: four significant digits at least, one decimal at least, so two
+    figures the verdict tells apart do not print alike."""
+    decimals = 1 if seconds <= 0 else max(1, 3 - math.floor(math.log10(seconds)))
+    return f"{seconds:,.{decimals}f}"
 
 
 @dataclass(frozen=True)
@@ -65,7 +149,7 @@ class Comparison:
     runs: tuple[RunSummary, ...]
     shared_loop_step: int
     table: tuple[tuple[str, tuple[str, ...]], ...]  # (quantity, one cell per run)
-    held_fixed: dict[str, bool]
+    held_fixed: dict[Quantity, HeldFixed]  # every Quantity, in report order
     same_lr_schedule: bool
     same_accumulation: bool
     differences: tuple[str, ...]
@@ -137,10 +221,14 @@ def _same(values: Sequence[Any]) -> bool:
     return all(value == values[0] for value in values[1:])
 
 
-def compare_runs(records: Sequence[RunRecord]) -> Comparison:
-    """Compare runs on their arithmetic; ``records`` come from ``read_ledger``, at least two."""
+def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
+    """Compare runs on their arithmetic; ``records`` come from ``read_ledger``, at least two. ``tolerance`` is
+    relative, for the figures measured by the clock (0.1: within 10 % of each other they are held fixed)."""
     if len(records) < 2:
         raise ConfigError(f"comparing runs needs at least two run directories, got {len(records)}.")
+    if not 0 <= tolerance < math.inf:
+        raise ConfigError(f"tolerance={tolerance}: must be a relative tolerance >= 0 (0.1 is 10 %). "
+                          f"Fix: tolerance={DEFAULT_TOLERANCE}")
     labels = run_labels(records)
     step = min(_total(record).step for record in records)
     runs = tuple(summarize_run(r, label, step) for r, label in zip(records, labels))
@@ -167,31 +255,25 @@ def compare_runs(records: Sequence[RunRecord]) -> Comparison:
             ("lr schedule", tuple(joined(r.lr_schedules) for r in runs), True),
             ("final lr", tuple("-" if r.final_lr is None else f"{r.final_lr:.4g}" for r in runs), False),
             ("final loss", tuple("-" if r.final_loss is None else f"{r.final_loss:.4g}" for r in runs), False),
-            ("wall time (s)", tuple(f"{r.wall_time_s:.1f}" for r in runs), False),
-            ("compute budget (worker-s)", tuple(f"{r.compute_budget_worker_s:.1f}" for r in runs), False)]
+            ("wall time (s)", tuple(clock_figure(r.wall_time_s) for r in runs), False),
+            ("compute budget (worker-s)", tuple(clock_figure(r.compute_budget_worker_s) for r in runs), False)]
 
     def listing(values: Sequence[Any]) -> str:
         return ", ".join(f"{label} {value}" for label, value in zip(labels, values))
 
     differences = [f"{name} differs: {listing(cells)}" for name, cells, named in rows if named and not _same(cells)]
-    budgets = [run.compute_budget_worker_s for run in runs]
-    same_budget = min(budgets) > 0 and max(budgets) <= min(budgets) * (1 + COMPUTE_BUDGET_TOLERANCE)
-    if min(budgets) <= 0:
-        differences.append("compute budget unknown: a run logged no interval with wall time")
-    elif not same_budget:
-        differences.append(f"compute budget (worker-seconds) differs by more than {COMPUTE_BUDGET_TOLERANCE:.0%}: "
-                           f"{listing([f'{b:.1f}' for b in budgets])}")
-    effective_batches = [distinct([a.effective_batch_size for a in run.arithmetic]) for run in runs]
+    verdicts = (exact_count(Quantity.DATA_EXPOSURE, [(r.total.samples_seen,) for r in runs]),
+                exact_count(Quantity.UPDATE_COUNT, [(r.total.optimizer_updates,) for r in runs]),
+                exact_count(Quantity.EFFECTIVE_BATCH,
+                            [distinct([a.effective_batch_size for a in r.arithmetic]) for r in runs]),
+                within_tolerance(Quantity.COMPUTE_BUDGET, [r.compute_budget_worker_s for r in runs], tolerance))
     first = [record.segments[0].start.facts for record in records]
     cross_run = [("code revision", [f.code_revision.describe() for f in first]),
                  ("dataset", [f.dataset_fingerprint for f in first]),
                  ("checkpoint format", [f.checkpoint_format for f in first])]
     return Comparison(
         runs=runs, shared_loop_step=step, table=tuple((name, cells) for name, cells, _ in rows),
-        held_fixed={"data exposure": _same([r.total.samples_seen for r in runs]),
-                    "update count": _same([r.total.optimizer_updates for r in runs]),
-                    "effective batch": all(len(b) == 1 for b in effective_batches) and _same(effective_batches),
-                    "compute budget": same_budget},
+        held_fixed={verdict.quantity: verdict for verdict in verdicts},
         same_lr_schedule=all(len(r.lr_schedules) == 1 for r in runs) and _same([r.lr_schedules for r in runs]),
         same_accumulation=_same([distinct([a.grad_accum_steps for a in r.arithmetic]) for r in runs]),
         differences=tuple(differences),

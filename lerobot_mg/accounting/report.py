@@ -14,18 +14,42 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lerobot_mg.accounting.compare import HELD_FIXED_QUANTITIES, Comparison, ResumeCheck, run_labels
+from lerobot_mg.accounting.compare import (
+    HELD_FIXED_QUANTITIES,
+    Comparison,
+    Held,
+    HeldFixed,
+    ResumeCheck,
+    clock_figure,
+    run_labels,
+)
 from lerobot_mg.accounting.ledger import RunRecord
 
 _CURVE_AXES = (("step", "loop steps"), ("samples_seen", "sample presentations"),
                ("optimizer_updates", "optimizer updates"))
 
 
+def tolerance_line(verdict: HeldFixed, labels: Sequence[str]) -> str:
+    """The verdict on a figure measured by the clock, with every run's figure and the tolerance that decided it."""
+    name = f"{verdict.quantity.value} ({verdict.quantity.unit})"
+    figures = ", ".join(f"{label} {clock_figure(value)}" for label, (value, *_) in zip(labels, verdict.figures))
+    if verdict.verdict is Held.UNKNOWN or verdict.spread is None or verdict.tolerance is None:
+        return f"{name} unknown: {figures}; a run logged no interval with wall time"
+    tolerance = f"the tolerance of {verdict.tolerance * 100:g} % (tolerance={verdict.tolerance:g})"
+    if verdict.held:
+        return f"{name} held fixed: {figures}, {verdict.spread * 100:.2f} % apart, within {tolerance}"
+    return f"{name} not held fixed: {figures}, {verdict.spread * 100:.2f} % apart, more than {tolerance}"
+
+
 def held_fixed_lines(comparison: Comparison) -> list[str]:
-    held = [name for name in HELD_FIXED_QUANTITIES if comparison.held_fixed[name]]
-    varied = [name for name in HELD_FIXED_QUANTITIES if not comparison.held_fixed[name]]
-    return [f"held fixed: {', '.join(held) or 'none of ' + ', '.join(HELD_FIXED_QUANTITIES)}",
+    verdicts = [comparison.held_fixed[quantity] for quantity in HELD_FIXED_QUANTITIES]
+    held = [verdict.quantity.value for verdict in verdicts if verdict.held]
+    varied = [verdict.quantity.value for verdict in verdicts if not verdict.held]
+    labels = [run.label for run in comparison.runs]
+    everything = ", ".join(quantity.value for quantity in HELD_FIXED_QUANTITIES)
+    return [f"held fixed: {', '.join(held) or 'none of ' + everything}",
             f"not held fixed: {', '.join(varied) or 'none'}",
+            *(tolerance_line(verdict, labels) for verdict in verdicts if verdict.tolerance is not None),
             f"same lr schedule: {'yes' if comparison.same_lr_schedule else 'no'}; "
             f"same accumulation boundary: {'yes' if comparison.same_accumulation else 'no'}"]
 

@@ -1,4 +1,7 @@
-"""Run comparison from synthetic ledgers: arithmetic table, held-fixed quantities, resume checks, CLI."""
+"""Run comparison from synthetic ledgers: arithmetic table, held-fixed quantities, resume checks, CLI.
+
+The ledgers are written here, wall times included, so every verdict on a figure measured by the clock (the compute
+budget) is asserted on times the test chose, never on how fast this machine ran something."""
 
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lerobot_mg.accounting.compare import check_resume, compare_runs, pick_resumed_run
+from lerobot_mg.accounting.compare import (
+    DEFAULT_TOLERANCE,
+    Held,
+    Quantity,
+    check_resume,
+    compare_runs,
+    pick_resumed_run,
+)
 from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest, read_ledger
 from lerobot_mg.accounting.report import format_markdown, format_text
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, Topology
@@ -113,12 +123,14 @@ def test_equal_loop_steps_show_the_hidden_arithmetic(note_runs: tuple[Path, Path
     assert (run_b.total.samples_seen, run_b.total.optimizer_updates) == (160, 20)
     # Same effective batch (8) and loop steps, yet half the data exposure and half the updates; two workers
     # for the same wall time double the compute budget.
-    assert comparison.held_fixed == {
-        "data exposure": False,
-        "update count": False,
-        "effective batch": True,
-        "compute budget": False,
+    assert {quantity: verdict.verdict for quantity, verdict in comparison.held_fixed.items()} == {
+        Quantity.DATA_EXPOSURE: Held.NOT_HELD,
+        Quantity.UPDATE_COUNT: Held.NOT_HELD,
+        Quantity.EFFECTIVE_BATCH: Held.HELD,
+        Quantity.COMPUTE_BUDGET: Held.NOT_HELD,
     }
+    assert comparison.held_fixed[Quantity.DATA_EXPOSURE].figures == ((320,), (160,))
+    assert comparison.held_fixed[Quantity.DATA_EXPOSURE].tolerance is None  # a count: exact
     assert comparison.same_lr_schedule and not comparison.same_accumulation
     assert "sample presentations (total) differs: run_a 320, run_b 160" in comparison.differences
     assert "optimizer updates (total) differs: run_a 40, run_b 20" in comparison.differences
@@ -128,6 +140,8 @@ def test_equal_loop_steps_show_the_hidden_arithmetic(note_runs: tuple[Path, Path
     text = format_text(comparison, None)
     assert "held fixed: effective batch\n" in text
     assert "not held fixed: data exposure, update count, compute budget" in text
+    assert ("compute budget (worker-seconds) not held fixed: run_a 40.00, run_b 80.00, 100.00 % apart, more than "
+            "the tolerance of 10 % (tolerance=0.1)\n") in text
     assert "batch_size 2 x dp_world_size 2 x grad_accum 2 = effective batch 8" in text
 
 
@@ -137,11 +151,81 @@ def test_runs_that_hold_everything_fixed(tmp_path: Path) -> None:
     config = BatchArithmetic(batch_size=4, dp_world_size=2, grad_accum_steps=1)
     simulate_run(tmp_path / "two", config, num_loop_steps=20, log_every=5, seconds_per_step=0.5)
     comparison = compare_runs([read_ledger(tmp_path / "one"), read_ledger(tmp_path / "two")])
-    assert all(comparison.held_fixed.values())
+    assert all(verdict.held for verdict in comparison.held_fixed.values())
     assert [run.compute_budget_worker_s for run in comparison.runs] == [20.0, 20.0]
     assert "held fixed: data exposure, update count, effective batch, compute budget" in format_text(
         comparison, None
     )
+
+
+def _budgets(tmp_path: Path, *seconds_per_step: float) -> list:
+    """Runs of the same 16 loop steps (8x1x1, one worker) whose ledgers record the given seconds per step: the
+    compute budget of each is 16 x its seconds per step worker-seconds, exactly (the times are binary fractions)."""
+    records = []
+    for i, seconds in enumerate(seconds_per_step):
+        simulate_run(tmp_path / f"run_{i}", CONFIG_A, num_loop_steps=16, log_every=4, seconds_per_step=seconds)
+        records.append(read_ledger(tmp_path / f"run_{i}"))
+    return records
+
+
+def test_a_compute_budget_at_the_tolerance_is_held_fixed_and_past_it_is_not(tmp_path: Path) -> None:
+    # 20 vs 22 worker-seconds: exactly 10 % apart, the default tolerance; the counts are equal throughout.
+    at, past = _budgets(tmp_path / "at", 1.25, 1.375), _budgets(tmp_path / "past", 1.25, 1.375 + 2**-10)
+    verdict = compare_runs(at).held_fixed[Quantity.COMPUTE_BUDGET]
+    assert (verdict.figures, verdict.tolerance, verdict.verdict) == (((20.0,), (22.0,)), 0.1, Held.HELD)
+    assert verdict.spread == 0.1
+    text = format_text(compare_runs(at), None)
+    assert "held fixed: data exposure, update count, effective batch, compute budget\nnot held fixed: none\n" in text
+    assert ("compute budget (worker-seconds) held fixed: run_0 20.00, run_1 22.00, 10.00 % apart, within the "
+            "tolerance of 10 % (tolerance=0.1)\n") in text
+
+    comparison = compare_runs(past)  # 22.015625: 0.07 % more, past the tolerance
+    verdict = comparison.held_fixed[Quantity.COMPUTE_BUDGET]
+    assert verdict.figures == ((20.0,), (22.015625,)) and verdict.verdict is Held.NOT_HELD
+    assert [v.held for v in comparison.held_fixed.values()] == [True, True, True, False]
+    text = format_text(comparison, None)
+    assert "held fixed: data exposure, update count, effective batch\nnot held fixed: compute budget\n" in text
+    assert ("compute budget (worker-seconds) not held fixed: run_0 20.00, run_1 22.02, 10.08 % apart, more than "
+            "the tolerance of 10 % (tolerance=0.1)\n") in text
+    assert "- compute budget (worker-seconds) not held fixed: run_0 20.00, run_1 22.02" in format_markdown(
+        comparison, None, None)
+
+
+def test_the_tolerance_is_a_parameter_and_the_order_of_the_runs_does_not_matter(tmp_path: Path) -> None:
+    records = _budgets(tmp_path, 1.375, 1.25)  # 22 then 20: relative to the smaller one, 10 % apart
+    assert compare_runs(records).held_fixed[Quantity.COMPUTE_BUDGET].held
+    assert not compare_runs(records, tolerance=0.05).held_fixed[Quantity.COMPUTE_BUDGET].held
+    assert ("more than the tolerance of 5 % (tolerance=0.05)" in
+            format_text(compare_runs(records, tolerance=0.05), None))
+    same = _budgets(tmp_path / "same", 1.25, 1.25)
+    assert compare_runs(same, tolerance=0.0).held_fixed[Quantity.COMPUTE_BUDGET].held  # 0: only equal figures
+    assert not compare_runs(records, tolerance=0.0).held_fixed[Quantity.COMPUTE_BUDGET].held
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"^tolerance=.*: must be a relative tolerance >= 0 \(0.1 is 10 %\)\. "
+                                              r"Fix: tolerance=0.1$"):
+            compare_runs(records, tolerance=bad)
+
+
+def test_a_run_without_a_logged_interval_has_an_unknown_compute_budget(tmp_path: Path) -> None:
+    simulate_run(tmp_path / "logged", CONFIG_A, num_loop_steps=8, log_every=4)
+    simulate_run(tmp_path / "crashed", CONFIG_A, num_loop_steps=3, log_every=4)  # died before its first interval
+    comparison = compare_runs([read_ledger(tmp_path / "logged"), read_ledger(tmp_path / "crashed")])
+    verdict = comparison.held_fixed[Quantity.COMPUTE_BUDGET]
+    assert verdict.verdict is Held.UNKNOWN and not verdict.held and verdict.figures == ((8.0,), (0.0,))
+    assert ("compute budget (worker-seconds) unknown: logged 8.000, crashed 0.0; a run logged no interval with wall "
+            "time") in format_text(comparison, None)
+
+
+def test_cli_tolerance(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [str(tmp_path / f"run_{i}") for i in range(2)]
+    _budgets(tmp_path, 1.25, 1.375)
+    assert main([*runs, "tolerance=0.05", f"--out={tmp_path / 'o1'}"]) == 0
+    assert "compute budget (worker-seconds) not held fixed: run_0 20.00, run_1 22.00, 10.00 % apart, more than the " \
+           "tolerance of 5 % (tolerance=0.05)" in capsys.readouterr().out
+    assert main([*runs, "--tolerance=0.1", "--json", f"--out={tmp_path / 'o2'}"]) == 0
+    assert json.loads(capsys.readouterr().out)["comparison"]["held_fixed"]["compute budget"]["verdict"] == "held fixed"
+    assert main([*runs, "tolerance=-1", f"--out={tmp_path / 'o3'}"]) == 2
+    assert "tolerance=-1.0: must be a relative tolerance >= 0" in capsys.readouterr().err
 
 
 def test_counts_at_an_unlogged_shared_step_are_derived_and_marked(tmp_path: Path) -> None:
@@ -186,7 +270,8 @@ def test_resume_conditions_flag_what_changed(tmp_path: Path) -> None:
     assert resumed_run.world_sizes == (2, 1)
     assert resumed_run.total.samples_seen == CONFIG_B.sample_presentations(20) + changed.sample_presentations(20)
     # The factorisation changed mid-run but the effective batch stayed 8, so that was still held fixed.
-    assert comparison.held_fixed["effective batch"] is True
+    assert comparison.held_fixed[Quantity.EFFECTIVE_BATCH].verdict is Held.HELD
+    assert comparison.held_fixed[Quantity.EFFECTIVE_BATCH].figures == ((8,), (8,))
     assert "microbatch per worker differs: resumed 2 -> 4, reference 2" in comparison.differences
     text = format_text(comparison, None)
     assert "FLAG: topology changed at resume (step 20): FSDP2: 2 shards -> single process" in text
@@ -287,7 +372,11 @@ def test_cli_json_and_text(note_runs: tuple[Path, Path], tmp_path: Path, capsys:
     assert [(r["total"]["samples_seen"], r["total"]["optimizer_updates"]) for r in runs] == [(320, 40), (160, 20)]
     assert runs[1]["arithmetic"] == [{"batch_size": 2, "dp_world_size": 2, "grad_accum_steps": 2,
                                       "effective_batch_size": 8}]
-    assert payload["comparison"]["held_fixed"]["effective batch"] is True
+    held_fixed = payload["comparison"]["held_fixed"]
+    assert held_fixed["effective batch"] == {"quantity": "effective batch", "figures": [[8], [8]], "tolerance": None,
+                                             "verdict": "held fixed"}
+    assert held_fixed["compute budget"] == {"quantity": "compute budget", "figures": [[40.0], [80.0]],
+                                            "tolerance": DEFAULT_TOLERANCE, "verdict": "not held fixed"}
     assert payload["resume_check"] is None
     assert Path(payload["plot"]).stat().st_size > 0 and Path(payload["report"]).is_file()
 

@@ -188,11 +188,10 @@ def test_a_killed_data_worker_stops_the_run_naming_it(tiny_dataset: TinyDataset,
         workers = _children(proc.pid)
         assert len(workers) >= 2, workers  # the two DataLoader workers (forked: the trainer's only children)
         os.kill(workers[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        output, _ = proc.communicate(timeout=60)  # no hang: the loop notices the dead worker
+        # A watchdog, not a measure of speed: a loop that never noticed the dead worker would train for ever.
+        output, _ = proc.communicate(timeout=240)
     finally:
         kill_tree(proc)
-    assert time.monotonic() - killed_at < 60
     assert proc.returncode != 0
     # Ours (the loop was waiting for a batch) or torch's SIGCHLD handler's (it was elsewhere): the worker is named.
     named = [f"DataLoader worker {i} (pid {workers[0]}) was killed by SIGKILL" for i in (0, 1)]

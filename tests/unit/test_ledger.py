@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lerobot_mg.accounting.compare import counts_at
+from lerobot_mg.accounting.compare import counts_at, summarize_run
 from lerobot_mg.accounting.ledger import (
     LEDGER_FILENAME,
     IntervalRecord,
@@ -134,6 +134,22 @@ def test_ledger_round_trip_is_typed_and_exact(tmp_path: Path) -> None:
     assert final is not None and final.progress == Progress(4, 16, 2) and final.metrics["loss"] == 0.75
     assert [u.optimizer_update for u in record.updates] == [1, 2]
     assert record.total_wall_time_s == 2.0
+
+
+def test_wall_times_are_stored_unrounded(tmp_path: Path) -> None:
+    """The comparison's verdict on the compute budget reads the ledger's wall times: they come back to the bit, and
+    the budget is built from them unrounded (rounding is the report's, for display)."""
+    ledger = RunLedger(tmp_path, is_main=True)
+    _start(ledger)
+    wall_times = (0.1 + 2**-40, 0.123456789012345678)
+    for loop_step, wall_time_s in zip((2, 4), wall_times):
+        ledger.write(IntervalRecord(2.5, _progress(loop_step), wall_time_s, {"loss": 1.0, "lr": 1e-4}))
+    ledger.close()
+    record = read_ledger(tmp_path)
+    assert tuple(interval.wall_time_s for interval in record.intervals) == wall_times
+    assert record.total_wall_time_s == wall_times[-1]
+    # FACTS runs on 2 ranks: 2 workers x the wall time, exactly.
+    assert summarize_run(record, "run", 4).compute_budget_worker_s == 2 * wall_times[-1]
 
 
 def test_lines_are_flushed_but_fsynced_only_at_checkpoints_and_close(tmp_path: Path,
