@@ -135,4 +135,4 @@ def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:
     """The run's policy on the meta device: module names, classes and shapes only, no memory and no draw from the
     random generator."""
     with torch.device("meta"):
-        return build_policy(cfg, meta.features)
+        return build_policy(cfg, meta.features, weights=False)

@@ -9,26 +9,37 @@ from torch import nn
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.peft.base import BaseWeights, base_features, check_dataset_matches, check_policy_path
+from lerobot_mg.peft.base import (
+    BaseWeights,
+    base_features,
+    check_dataset_matches,
+    check_policy_path,
+    stored_dtype,
+)
 from lerobot_mg.peft.lora import load_policy, resolve_targets, wrap_with_lora
 from lerobot_mg.policies.base import PreTrainedPolicy
 from lerobot_mg.policies.registry import get_policy_class, make_policy
 
 
-def build_policy(cfg: TrainConfig, dataset_features: dict[str, dict[str, Any]]) -> nn.Module:
+def build_policy(cfg: TrainConfig, dataset_features: dict[str, dict[str, Any]], weights: bool = True) -> nn.Module:
+    """The run's policy. ``weights=False`` leaves a base's weights unread (its dtype is still taken): what a
+    meta-device build for the checks and the memory plan needs."""
     if cfg.policy.path is None:
         return make_policy(cfg.policy, dataset_features)
     check_dataset_matches(cfg.policy.path, dataset_features)
-    policy = load_base_policy(cfg.policy, cfg.policy.path)
+    policy = load_base_policy(cfg.policy, cfg.policy.path, weights)
     return wrap_with_lora(policy, cfg.peft, cfg.policy.path) if cfg.peft.enabled else policy
 
 
-def load_base_policy(policy_cfg: Any, path: str) -> PreTrainedPolicy:
+def load_base_policy(policy_cfg: Any, path: str, weights: bool = True) -> PreTrainedPolicy:
     """The policy of ``policy_cfg`` (the base's config with this run's overrides), on the base's features, with
-    the base's weights in the dtype they were stored in. Trains from here (train mode)."""
+    the base's weights in the dtype they were stored in (``weights=False``: the dtype only). Trains from here
+    (train mode)."""
     inputs, outputs = base_features(path)
     policy = get_policy_class(policy_cfg.type)(policy_cfg, inputs, outputs)
-    if check_policy_path(path) is BaseWeights.FULL:
+    if not weights:
+        policy.to(stored_dtype(path))
+    elif check_policy_path(path) is BaseWeights.FULL:
         policy.load_weights(Path(path))
     else:
         merged = load_policy(Path(path), merge_adapter=True)

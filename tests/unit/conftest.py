@@ -1,3 +1,5 @@
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,13 @@ def tiny_dataset(tmp_path: Path) -> TinyDataset:
 @pytest.fixture
 def tiny_dataset_dir(tiny_dataset: TinyDataset) -> Path:
     return tiny_dataset.root
+
+
+@pytest.fixture(autouse=True)
+def restored_environ() -> Iterator[None]:
+    """Each test starts from the environment the session started with: an Accelerator built in this process writes
+    ACCELERATE_* variables, which the start-up checks of a later test would take for the user's."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)

@@ -157,6 +157,11 @@ CATALOGUE = [
              "policy='diffusion': config_path holds a 'act' policy; a resume continues the same policy",
              "remove the policy override, or fine-tune a new run from it: resume=false "
              "policy.path=<the checkpoint's pretrained_model> policy=act", make=_saved_act_run),
+    BadInput("resume_an_incomplete_checkpoint",
+             ["resume=true", "config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json"],
+             "<tmp>/run/checkpoints/last/training_state/training_step.json is missing: <tmp>/run/checkpoints/last is "
+             "not a complete checkpoint",
+             "resume from config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json", make=_saved_act_run),
     BadInput("config_path_without_resume", [*VALID, f"config_path={PUSHT_SLICE / 'meta' / 'info.json'}"],
              f"config_path='{PUSHT_SLICE / 'meta' / 'info.json'}': is only read when resuming",
              "resume=true, or remove config_path"),
@@ -180,6 +185,9 @@ CATALOGUE = [
     BadInput("unknown_episode", [*VALID, "dataset.episodes=[0,7]"],
              "dataset.episodes=[0, 7]: dataset.root has no episode [7]",
              "dataset.episodes=<indices in 0..2>, or dataset.episodes=null for all"),
+    # --- the memory plan -------------------------------------------------------------------------------------
+    BadInput("training_state_does_not_fit", [*VALID, "policy.dim_feedforward=100000000"],
+             "parallelism.dp_shard=1: each rank holds", "no layout of this world size fits"),
     # --- presets ---------------------------------------------------------------------------------------------
     BadInput("unknown_experiment", ["experiment=pusht_debg"],
              "experiment='pusht_debg': is not a preset in conf/experiment/",

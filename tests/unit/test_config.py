@@ -22,6 +22,7 @@ from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
 from lerobot_mg.config.schema import POLICY_CONFIGS, TrainConfig
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.peft.base import apply_policy_path
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.preflight import preflight
 from tests.launch_utils import PUSHT_SLICE
@@ -118,6 +119,8 @@ def test_every_preset_composes_into_the_schema_and_validates(group: str, option:
             preset.pop("root", None)
         _assert_subset(preset, actual[group], group)
 
+    if "policy.path" in " ".join(extra):  # as a launch composes it: the base's config is the policy group
+        composed = apply_policy_path(composed, extra)
     cfg = to_train_config(composed)
     assert isinstance(cfg, TrainConfig)
     # The slice stands in for the preset's dataset: the policy reads those of its inputs that the slice has.

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.config.schema import PeftConfig
 from lerobot_mg.distributed.wrap import select_wrap_units
-from lerobot_mg.peft.base import apply_policy_path, load_base_policy
+from lerobot_mg.peft.base import apply_policy_path
+from lerobot_mg.peft.build import load_base_policy
 from lerobot_mg.peft.lora import AdapterWeights, load_policy, wrap_with_lora
 from lerobot_mg.policies.act import ACTPolicy
 from lerobot_mg.preflight import preflight
