@@ -52,7 +52,9 @@ _PROGRESS_MIN_BYTES = 512 * 2**20
 def read_dcp_metadata(dcp_dir: Path) -> Metadata:
     dcp_dir = Path(dcp_dir)
     if not (dcp_dir / ".metadata").is_file():
-        raise ConfigError(f"{dcp_dir} is not a DCP checkpoint directory: it has no .metadata file.")
+        raise ConfigError(f"{dcp_dir}: is not a DCP checkpoint directory (it has no .metadata file, which a save "
+                          "writes last). Fix: checkpoint_dir=<a step directory saved completely, e.g. an earlier "
+                          "step>")
     return FileSystemReader(str(dcp_dir)).read_metadata()
 
 
@@ -154,16 +156,17 @@ def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_prog
     dcp_dir = pretrained / L.MODEL_DCP_DIR
     if not dcp_dir.is_dir():
         raise ConfigError(
-            f"{pretrained} holds no {L.MODEL_DCP_DIR}/ to convert (the checkpoint was saved with "
-            "checkpoint.format=safetensors, or the shards were already merged and deleted). Its "
-            f"{merged_file_name(pretrained)} is already loadable."
+            f"{pretrained}: holds no {L.MODEL_DCP_DIR}/ to convert (the checkpoint was saved with "
+            "checkpoint.format=safetensors, or the shards were already merged and deleted). Fix: none needed, its "
+            f"{merged_file_name(pretrained)} is already loadable (policy.path={str(pretrained)!r})"
         )
     metadata = read_dcp_metadata(dcp_dir)
     non_tensor_keys = sorted(set(metadata.state_dict_metadata) - set(dcp_tensor_specs(metadata)))
     if non_tensor_keys:
         raise ConfigError(
-            f"{dcp_dir} holds non-tensor entries {non_tensor_keys[:5]}: it is not a weight shard directory "
-            f"(optimizer shards live in {L.TRAINING_STATE_DIR}/{L.OPTIMIZER_DCP_DIR}/ and are not converted)."
+            f"{dcp_dir}: holds non-tensor entries {non_tensor_keys[:5]}, so it is not a weight shard directory "
+            f"(optimizer shards live in {L.TRAINING_STATE_DIR}/{L.OPTIMIZER_DCP_DIR}/ and are not converted). "
+            "Fix: checkpoint_dir=<run>/checkpoints/<step or last>"
         )
     tensors = read_dcp_tensors(dcp_dir, show_progress=show_progress)
     target = pretrained / merged_file_name(pretrained)
@@ -208,7 +211,8 @@ def push_to_hub(pretrained_dir: Path, repo_id: str) -> str:
     files = hub_upload_files(pretrained_dir)
     if not any(path.suffix == ".safetensors" for path in files):
         raise ConfigError(
-            f"{pretrained_dir} has no safetensors weights to publish; convert its DCP shards first."
+            f"{pretrained_dir}: has no safetensors weights to publish. Fix: convert its DCP shards first "
+            f"(lerobot-mg-convert-dcp checkpoint_dir={pretrained_dir}), then push_to_hub"
         )
     api = HfApi()
     api.create_repo(repo_id, repo_type="model", exist_ok=True)

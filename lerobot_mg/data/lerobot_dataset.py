@@ -49,7 +49,7 @@ from lerobot_mg.data.meta import (
     DatasetMeta,
 )
 from lerobot_mg.data.video import VideoFrameReader, video_frame_count
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 
 def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
@@ -131,7 +131,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         unknown = sorted(set(keys) - set(self.features))
         if unknown:
             raise ConfigError(
-                f"{self.root / INFO_PATH} has no features {unknown}, which the policy reads; it has "
+                f"{self.root / INFO_PATH}: has no features {unknown}, which the policy reads; it has "
                 f"{sorted(self.features)}. Fix: policy.observation_keys=[...] naming features of this dataset."
             )
         return [key for key in self.features if key in keys or key in DEFAULT_FEATURES]
@@ -162,7 +162,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 break
         else:
             raise ConfigError(
-                f"{self.root / TASKS_PATH} has columns {table.column_names}; expected the task strings in a "
+                f"{self.root / TASKS_PATH}: has columns {table.column_names}; expected the task strings in a "
                 "'task' or '__index_level_0__' column next to 'task_index'. Fix: " + REDOWNLOAD_ADVICE + "."
             )
         return dict(zip(table.column("task_index").to_pylist(), tasks))
@@ -260,14 +260,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for path in paths:
             if not path.is_file():
                 raise ConfigError(
-                    f"{path} does not exist, but the episodes table of {self.root} places frames in it. "
+                    f"{path}: does not exist, but the episodes table of {self.root} places frames in it. "
                     f"Fix: {REDOWNLOAD_ADVICE}."
                 )
             names = set(pq.read_schema(path).names) - {"__index_level_0__"}  # a pandas index is not a feature
             missing, extra = sorted(expected - names), sorted(names - expected)
             if missing or extra:
                 raise ConfigError(
-                    f"{path} disagrees with {self.root / INFO_PATH}: features without a column {missing}, columns "
+                    f"{path}: disagrees with {self.root / INFO_PATH}: features without a column {missing}, columns "
                     f"without a feature {extra}. The metadata belongs to another revision of the dataset. "
                     f"Fix: {REDOWNLOAD_ADVICE}."
                 )
@@ -284,14 +284,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for path, (end_s, episode) in needed.items():
             if not path.is_file():
                 raise ConfigError(
-                    f"{path} does not exist, but the policy reads its camera. Fix: {REDOWNLOAD_ADVICE}, or leave the "
+                    f"{path}: does not exist, but the policy reads its camera. Fix: {REDOWNLOAD_ADVICE}, or leave the "
                     "camera out of policy.observation_keys."
                 )
             frames_needed = round(end_s * self.fps)
             frames = video_frame_count(path, self.fps)
             if frames < frames_needed:
                 raise ConfigError(
-                    f"{path} holds {frames} frames but episode {episode} ends at {end_s:.3f}s in it "
+                    f"{path}: holds {frames} frames but episode {episode} ends at {end_s:.3f}s in it "
                     f"({frames_needed} frames at {self.fps} fps): the video is truncated or belongs to another "
                     f"revision of the dataset. Fix: {REDOWNLOAD_ADVICE}."
                 )
@@ -302,21 +302,21 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for key, deltas in delta_timestamps.items():
             if key not in self.features or key in DEFAULT_FEATURES:
                 raise ConfigError(
-                    f"delta_timestamps has key {key!r}, which is not a feature of {self.root}; use one of "
-                    f"{[k for k in self.features if k not in DEFAULT_FEATURES]}."
+                    f"delta_timestamps[{key!r}]: {key!r} is not a feature of {self.root}. Fix: key delta_timestamps "
+                    f"by features among {[k for k in self.features if k not in DEFAULT_FEATURES]}"
                 )
             if len(deltas) == 0:
-                raise ConfigError(
-                    f"delta_timestamps[{key!r}] is empty; give at least one offset (e.g. [0.0])."
-                )
+                raise config_error(f"delta_timestamps[{key!r}]", list(deltas), "holds no offset",
+                                   f"give at least one, e.g. delta_timestamps[{key!r}]=[0.0]")
             offsets = np.asarray(deltas, dtype=np.float64) * self.fps
             rounded = np.round(offsets)
             off_grid = np.abs(offsets - rounded) / self.fps > self.tolerance_s
             if off_grid.any():
-                bad = [deltas[i] for i in np.flatnonzero(off_grid)]
-                raise ConfigError(
-                    f"delta_timestamps[{key!r}] has {bad}, which are not multiples of 1/fps = {1 / self.fps:.6f}s "
-                    f"(fps={self.fps}) within tolerance_s={self.tolerance_s}; use k/{self.fps} for integer k."
+                bad = [float(deltas[i]) for i in np.flatnonzero(off_grid)]
+                raise config_error(
+                    f"delta_timestamps[{key!r}]", [float(delta) for delta in deltas],
+                    f"{bad} are not multiples of 1/fps = {1 / self.fps:.6f}s (fps={self.fps}) within "
+                    f"tolerance_s={self.tolerance_s}", f"use offsets k/{self.fps} for integer k",
                 )
             delta_indices[key] = rounded.astype(np.int64)
         return delta_indices

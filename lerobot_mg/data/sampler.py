@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 
 def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
@@ -124,14 +124,13 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Continue at the saved epoch and global sample offset; returns the position, for the log."""
         if state["num_samples"] != self.num_samples:
             raise ConfigError(
-                f"the sampler state was saved for a dataset of {state['num_samples']} samples, but this one has "
-                f"{self.num_samples}; resume with the same dataset (and episodes selection)."
+                f"dataset.episodes: this run's dataset has {self.num_samples} samples, but the sampler state was "
+                f"saved for a dataset of {state['num_samples']} samples. Fix: resume with the saved run's dataset "
+                "(dataset.repo_id, dataset.root) and dataset.episodes"
             )
         if state["seed"] != self.seed:
-            raise ConfigError(
-                f"the sampler state was saved with seed={state['seed']} but this run has seed={self.seed}; "
-                f"resume with seed={state['seed']} to continue the same sample order."
-            )
+            raise config_error("seed", self.seed, f"the sampler state was saved with seed={state['seed']}",
+                               f"seed={state['seed']}, to continue the same sample order")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         position = f"epoch {self.epoch}, sample offset {self.offset}"
         if self.offset + self.global_batch_size > self.num_samples:

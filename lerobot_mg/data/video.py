@@ -20,7 +20,7 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 # Encoders tried in order for each user-facing codec name. libx264 is the usual H.264 encoder in
 # PyAV's bundled ffmpeg; "h264" names whatever H.264 encoder that build registers instead.
@@ -45,7 +45,8 @@ PIX_FMT = "yuv420p"
 def resolve_encoder(codec: str) -> str:
     """Returns the PyAV encoder name used for ``codec`` ("h264" or "av1") on this machine."""
     if codec not in _ENCODER_CANDIDATES:
-        raise ConfigError(f"video_codec={codec!r} is not supported; use one of {sorted(_ENCODER_CANDIDATES)}.")
+        raise config_error("video_codec", codec, "is not supported",
+                           f"video_codec=<one of {sorted(_ENCODER_CANDIDATES)}>")
     for name in _ENCODER_CANDIDATES[codec]:
         if name not in av.codecs_available:
             continue
@@ -56,7 +57,8 @@ def resolve_encoder(codec: str) -> str:
         return name
     raise ConfigError(
         f"video_codec={codec!r}: none of the encoders {list(_ENCODER_CANDIDATES[codec])} is available in "
-        f"this PyAV build (av {av.__version__}); pick another video_codec."
+        f"this PyAV build (av {av.__version__}). Fix: video_codec=<another of {sorted(_ENCODER_CANDIDATES)}>, or "
+        "install a PyAV build with one of those encoders"
     )
 
 
@@ -64,9 +66,10 @@ def check_encodable(key: str, codec: str, height: int, width: int) -> str:
     """Returns the encoder for ``codec``; raises if frames of ``height x width`` cannot be encoded."""
     # yuv420p subsamples chroma 2x2, which the encoders only accept for even sizes.
     if height % 2 or width % 2:
-        raise ConfigError(
-            f"video feature {key!r} has frames of {height}x{width}, which cannot be encoded as {PIX_FMT}: "
-            "height and width must be even; resize the frames or store the feature with dtype 'image'."
+        raise config_error(
+            f"features[{key!r}]['shape']", [height, width, 3],
+            f"a video of {height}x{width} frames cannot be encoded as {PIX_FMT}: height and width must be even",
+            f"resize the frames to even sizes, or store the feature with features[{key!r}]['dtype']='image'",
         )
     return resolve_encoder(codec)
 
@@ -94,8 +97,9 @@ class VideoEncoder:
     def add_frames(self, frames_THWC: np.ndarray) -> None:
         if frames_THWC.dtype != np.uint8 or frames_THWC.shape[1:] != (self.height, self.width, 3):
             raise ConfigError(
-                f"video frames must be uint8 of shape (T, {self.height}, {self.width}, 3), got "
-                f"{frames_THWC.dtype} {tuple(frames_THWC.shape)}."
+                f"{self.path}: the video frames are {frames_THWC.dtype} of shape {tuple(frames_THWC.shape)}, not "
+                f"uint8 of shape (T, {self.height}, {self.width}, 3). Fix: pass uint8 frames of shape "
+                f"(T, {self.height}, {self.width}, 3)"
             )
         for frame_HWC in frames_THWC:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_HWC), format="rgb24")
@@ -191,7 +195,7 @@ class VideoFrameReader:
             if decoded and decoded[-1][0] >= last_s - tolerance_s:
                 break
         if not decoded:
-            raise ConfigError(f"no video frame at or after {first_s:.6f}s in {path}; the video is too short for "
+            raise ConfigError(f"{path}: has no video frame at or after {first_s:.6f}s; the video is too short for "
                               "its episodes table. Fix: download or regenerate the dataset.")
         times_s = np.asarray([time_s for time_s, _ in decoded])
         rgb: dict[int, np.ndarray] = {}  # an episode edge repeats a frame: convert it once

@@ -32,7 +32,7 @@ from lerobot_mg.data.meta import (
     VIDEO_PATH,
 )
 from lerobot_mg.data.video import VideoEncoder, check_encodable
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 _NUMERIC_DTYPES = ("float32", "float64", "int32", "int64", "bool")
 _VISUAL_DTYPES = ("image", "video")
@@ -45,27 +45,29 @@ _QUANTILES = {"q01": 0.01, "q99": 0.99}
 
 def _validate_features(features: dict[str, dict]) -> dict[str, dict]:
     if not features:
-        raise ConfigError("features is empty; declare at least one feature, e.g. {'action': {'dtype': ...}}.")
+        raise config_error("features", features, "declares no feature",
+                           "declare at least one, e.g. features={'action': {'dtype': 'float32', 'shape': [2]}}")
     validated: dict[str, dict] = {}
     for key, feature in features.items():
         if "/" in key:
             raise ConfigError(
-                f"feature name {key!r} contains '/', which the episodes table uses as a separator."
+                f"features[{key!r}]: the feature name contains '/', which the episodes table uses as a separator. "
+                f"Fix: rename it without '/', e.g. features[{key.replace('/', '.')!r}]"
             )
         if key in DEFAULT_FEATURES:
-            raise ConfigError(f"feature {key!r} is written by the writer itself; remove it from features.")
+            raise ConfigError(f"features[{key!r}]: is written by the writer itself. Fix: remove {key!r} from features")
         dtype = feature.get("dtype")
         if dtype not in _NUMERIC_DTYPES + _VISUAL_DTYPES:
-            raise ConfigError(
-                f"feature {key!r} has dtype={dtype!r}; use one of {list(_NUMERIC_DTYPES + _VISUAL_DTYPES)}."
-            )
+            raise config_error(f"features[{key!r}]['dtype']", dtype, "is not a dtype the writer stores",
+                               f"features[{key!r}]['dtype']=<one of {list(_NUMERIC_DTYPES + _VISUAL_DTYPES)}>")
         shape = tuple(int(size) for size in feature.get("shape", ()))
         if not shape or any(size < 1 for size in shape):
-            raise ConfigError(f"feature {key!r} has shape={feature.get('shape')!r}; give a non-empty shape.")
+            raise config_error(f"features[{key!r}]['shape']", feature.get("shape"), "is not a non-empty shape",
+                               f"give positive sizes, e.g. features[{key!r}]['shape']=[2]")
         if dtype in _VISUAL_DTYPES and (len(shape) != 3 or shape[2] != 3):
-            raise ConfigError(
-                f"feature {key!r} ({dtype}) has shape={list(shape)}; images are [height, width, 3] (HWC RGB)."
-            )
+            raise config_error(f"features[{key!r}]['shape']", list(shape),
+                               f"a {dtype} feature is an image of shape [height, width, 3] (HWC RGB)",
+                               f"features[{key!r}]['shape']=[height, width, 3]")
         names = feature.get("names")
         if names is None and dtype in _VISUAL_DTYPES:
             names = ["height", "width", "channels"]
@@ -171,12 +173,10 @@ class LeRobotDatasetWriter:
     ) -> None:
         self.root = Path(root)
         if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
-            raise ConfigError(
-                f"dataset directory {self.root} already exists and is not empty; refusing to overwrite it. "
-                "Choose a new root or delete the old dataset first."
-            )
+            raise config_error("root", str(self.root), "already exists and is not empty; refusing to overwrite it",
+                               "choose a new root or delete the old dataset first")
         if not isinstance(fps, int) or fps < 1:
-            raise ConfigError(f"fps={fps!r} must be a positive integer.")
+            raise config_error("fps", fps, "is not a positive integer", "fps=<an integer >= 1>, e.g. fps=10")
         self.fps = fps
         self.robot_type = robot_type
         self.video_codec = video_codec
@@ -209,7 +209,9 @@ class LeRobotDatasetWriter:
         missing = sorted(set(self.user_features) - set(frame))
         extra = sorted(set(frame) - set(self.user_features))
         if missing or extra:
-            raise ConfigError(f"frame keys do not match the features: missing {missing}, unexpected {extra}.")
+            raise config_error("frame.keys()", sorted(frame),
+                               f"do not match the features: missing {missing}, unexpected {extra}",
+                               f"add_frame() with exactly the keys {sorted(self.user_features)}")
         arrays: dict[str, np.ndarray] = {}
         for key, feature in self.user_features.items():
             value = frame[key]
@@ -218,13 +220,14 @@ class LeRobotDatasetWriter:
             if feature["dtype"] in _VISUAL_DTYPES:
                 if array.dtype != np.uint8 or array.shape != shape:
                     raise ConfigError(
-                        f"frame[{key!r}] must be a uint8 HWC image of shape {shape}, got {array.dtype} "
-                        f"{array.shape}."
+                        f"frame[{key!r}]: is a {array.dtype} array of shape {array.shape}, not a uint8 HWC image of "
+                        f"shape {shape}. Fix: pass frame[{key!r}] as a uint8 array of shape {shape}"
                     )
             else:
                 if array.size != int(np.prod(shape)) or (array.shape != shape and array.ndim > 0):
                     raise ConfigError(
-                        f"frame[{key!r}] has shape {array.shape}; the feature's shape is {shape}."
+                        f"frame[{key!r}].shape={array.shape!r}: the feature's shape is {shape}. Fix: pass "
+                        f"frame[{key!r}] with shape {shape}, or declare features[{key!r}]['shape']={list(array.shape)}"
                     )
                 array = array.astype(feature["dtype"]).reshape(shape)
             arrays[key] = array
@@ -238,7 +241,8 @@ class LeRobotDatasetWriter:
         if num_frames == 0:
             raise ValueError("save_episode() called with no frames; add_frame() at least once per episode.")
         if not task:
-            raise ConfigError("save_episode(task=...) needs a non-empty task description.")
+            raise config_error("task", task, "is empty; every episode needs a task description",
+                               "save_episode(task='<what the robot does>')")
         episode_index = self.num_episodes
         task_index = self._tasks.setdefault(task, len(self._tasks))
         frame_index = np.arange(num_frames, dtype=np.int64)

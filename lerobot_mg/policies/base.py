@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lerobot_mg.config.policy import PolicyConfig
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -34,6 +34,8 @@ WEIGHTS_NAME = "model.safetensors"
 SAMPLE_SEED_KEY = "sample_seed"
 
 _CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
+# The remedy when saved weights do not fit the policy their config.json builds.
+_MISMATCH_FIX = "load a pretrained_model directory whose model.safetensors was saved with its config.json"
 
 
 class FeatureSpec(TypedDict):
@@ -45,7 +47,9 @@ def _visual_shape_chw(key: str, spec: dict[str, Any]) -> list[int]:
     shape = [int(size) for size in spec["shape"]]
     if len(shape) != 3:
         raise ConfigError(
-            f"Image feature {key!r} has shape {shape}; expected 3 dims (height, width, channel)."
+            f"the dataset's meta/info.json: image feature {key!r} has shape {shape}, not 3 dims (height, width, "
+            f"channel). Fix: a dataset whose {key!r} is [height, width, channel], or leave {key!r} out of "
+            "policy.observation_keys"
         )
     names = spec.get("names")
     # LeRobot writes images as HWC; some older datasets name the axes CHW. Trust names when present.
@@ -74,12 +78,19 @@ def features_from_dataset(
             )
         selected = list(observation_keys)
     if not selected:
-        raise ConfigError(
-            f"The dataset has no observation features (keys: {sorted(dataset_features)}); a policy needs at "
-            "least one `observation.*` input."
+        raise config_error(
+            "policy.observation_keys", None if observation_keys is None else list(observation_keys),
+            f"selects no observation.* feature of the dataset (its features: {sorted(dataset_features)}), and a "
+            "policy needs at least one input",
+            "policy.observation_keys=[<observation.* features of the dataset>], or a dataset (dataset.root) that "
+            "has one",
         )
     if "action" not in dataset_features:
-        raise ConfigError(f"The dataset has no `action` feature (keys: {sorted(dataset_features)}).")
+        raise ConfigError(
+            f"the dataset's meta/info.json: declares no 'action' feature (its features: {sorted(dataset_features)}), "
+            "and a policy learns to predict the action. Fix: a dataset (dataset.root) that records an 'action' "
+            "feature"
+        )
 
     input_features: dict[str, FeatureSpec] = {}
     for key in selected:
@@ -235,9 +246,9 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         weights_path = directory / WEIGHTS_NAME
         if not weights_path.is_file():
             raise ConfigError(
-                f"No {WEIGHTS_NAME} in {directory}. A checkpoint saved with checkpoint_format=dcp holds only "
-                "DCP shards (pytorch_model_fsdp_0/); merge them first with `lerobot-mg-convert-dcp "
-                f"--checkpoint_dir={directory}`."
+                f"{directory}: holds no {WEIGHTS_NAME} (a checkpoint saved with checkpoint.format=dcp holds only "
+                "DCP shards, pytorch_model_fsdp_0/). Fix: merge them first with lerobot-mg-convert-dcp "
+                f"checkpoint_dir={directory}"
             )
         state_dict = load_file(str(weights_path), device=str(map_location))
         stored = {t.dtype for t in state_dict.values() if t.is_floating_point()}
@@ -247,12 +258,13 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
             missing, unexpected = self.load_state_dict(state_dict, strict=False)
         except RuntimeError as error:  # shape mismatches
             raise ConfigError(
-                f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: {error}"
+                f"{weights_path}: does not match the policy built from {directory / CONFIG_NAME}: "
+                f"{' '.join(str(error).split()).rstrip('.')}. Fix: {_MISMATCH_FIX}"
             ) from error
         if missing or unexpected:
             raise ConfigError(
-                f"{weights_path} does not match the policy built from {directory / CONFIG_NAME}: "
-                f"missing keys {missing}, unexpected keys {unexpected}."
+                f"{weights_path}: does not match the policy built from {directory / CONFIG_NAME}: "
+                f"missing keys {missing}, unexpected keys {unexpected}. Fix: {_MISMATCH_FIX}"
             )
 
     @classmethod
@@ -261,17 +273,21 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         directory = Path(directory)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
-            raise ConfigError(f"No {CONFIG_NAME} in {directory}; pass a `pretrained_model` directory.")
+            raise ConfigError(f"{directory}: holds no {CONFIG_NAME}. Fix: pass a pretrained_model directory "
+                              "(<run>/checkpoints/<step or last>/pretrained_model)")
         raw = json.loads(config_path.read_text())
         policy_type = raw.pop("type", None)
         if policy_type != cls.name:
-            raise ConfigError(f"{config_path} holds a policy of type {policy_type!r}, not {cls.name!r}.")
+            raise ConfigError(f"{config_path}: holds a policy of type {policy_type!r}, not {cls.name!r}. Fix: "
+                              f"policy={policy_type}, or a pretrained_model directory of a {cls.name} policy")
         input_features = raw.pop("input_features")
         output_features = raw.pop("output_features")
         known_fields = {field.name for field in fields(cls.config_class)}
         unknown = sorted(set(raw) - known_fields)
         if unknown:
-            raise ConfigError(f"{config_path} has fields {unknown} that {cls.config_class.__name__} lacks.")
+            raise ConfigError(f"{config_path}: has fields {unknown} that {cls.config_class.__name__} lacks (it was "
+                              "written by another version of the policy). Fix: a pretrained_model directory "
+                              "saved by this lerobot_mg")
         config = cls.config_class(**raw, type=policy_type)
         config.validate()
         return config, input_features, output_features

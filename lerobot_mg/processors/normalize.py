@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import config_error
 from lerobot_mg.policies.base import FeatureSpec
 from lerobot_mg.processors.pipeline import PolicyProcessorPipeline, ProcessorStep, register_step
 
@@ -56,10 +56,10 @@ class _NormalizationStep(ProcessorStep):
         self.stats: dict[str, dict[str, Tensor]] = {}
         for key, mode in self.modes.items():
             if mode not in STATS_PER_MODE:
-                raise ConfigError(
-                    f"Normalisation mode {mode!r} for {key!r} is not one of {list(STATS_PER_MODE)}; fix "
-                    f"policy.normalization_mapping.{self.features[key]['type']}."
-                )
+                feature_type = self.features[key]["type"]
+                raise config_error(f"policy.normalization_mapping.{feature_type}", mode,
+                                   f"is not a normalisation mode (for {key!r})",
+                                   f"policy.normalization_mapping.{feature_type}=<one of {list(STATS_PER_MODE)}>")
             if mode == "IDENTITY":
                 continue
             self.stats[key] = {}
@@ -67,10 +67,11 @@ class _NormalizationStep(ProcessorStep):
                 value = stats.get(key, {}).get(stat_name)
                 if value is None:
                     feature_type = self.features[key]["type"]
-                    raise ConfigError(
-                        f"No {stat_name!r} statistic for {key!r}, which normalisation mode {mode} needs. Use a "
-                        f"dataset whose stats include it, or set policy.normalization_mapping.{feature_type}="
-                        "IDENTITY."
+                    raise config_error(
+                        f"policy.normalization_mapping.{feature_type}", mode,
+                        f"needs the {stat_name!r} statistic of {key!r}, which the dataset's stats lack",
+                        f"policy.normalization_mapping.{feature_type}=IDENTITY, or a dataset whose meta/stats.json "
+                        "includes it",
                     )
                 tensor = torch.as_tensor(value, dtype=torch.float32).clone()
                 shape = tuple(self.features[key]["shape"])
@@ -79,9 +80,11 @@ class _NormalizationStep(ProcessorStep):
                 except RuntimeError:
                     broadcast = None
                 if broadcast != shape:
-                    raise ConfigError(
-                        f"Statistic {key}.{stat_name} has shape {tuple(tensor.shape)}, which does not broadcast "
-                        f"to the feature shape {shape}; the stats belong to a different dataset."
+                    raise config_error(
+                        f"stats[{key!r}][{stat_name!r}].shape", tuple(tensor.shape),
+                        f"does not broadcast to the feature shape {shape}; the stats belong to a different dataset",
+                        "the stats of this dataset (its meta/stats.json), or the dataset they belong to "
+                        "(dataset.root)",
                     )
                 self.stats[key][stat_name] = tensor
 

@@ -103,14 +103,16 @@ class PolicyProcessorPipeline:
         directory = Path(directory)
         manifest_path = directory / f"{name}.json"
         if not manifest_path.is_file():
-            raise ConfigError(f"No {manifest_path.name} in {directory}; pass a `pretrained_model` directory.")
+            raise ConfigError(f"{directory}: holds no {manifest_path.name}. Fix: pass a pretrained_model directory "
+                              "(<run>/checkpoints/<step or last>/pretrained_model)")
         manifest = json.loads(manifest_path.read_text())
         steps: list[ProcessorStep] = []
         for entry in manifest["steps"]:
             step_class = STEP_CLASSES.get(entry["class"])
             if step_class is None:
                 raise ConfigError(
-                    f"{manifest_path} uses step class {entry['class']!r}; known classes: {sorted(STEP_CLASSES)}."
+                    f"{manifest_path}: uses step class {entry['class']!r}; known classes: {sorted(STEP_CLASSES)}. "
+                    "Fix: a pretrained_model directory saved by this lerobot_mg"
                 )
             state = load_file(str(directory / entry["state_file"])) if entry["state_file"] else {}
             steps.append(step_class.from_config(entry["config"], state))

@@ -32,7 +32,7 @@ def require_sim() -> None:
     ]
     if missing:
         raise ImportError(
-            f"The simulation needs the packages {missing}, which are not installed. Install them with: "
+            f"lerobot_mg[sim]: the simulation needs the packages {missing}, which are not installed. Fix: "
             f"{SIM_INSTALL_HINT}"
         )
     configure_headless_rendering()

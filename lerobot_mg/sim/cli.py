@@ -62,7 +62,10 @@ class EvalArgs:
 
     def __post_init__(self) -> None:
         if (self.policy_path is None) == (not self.expert):
-            raise ConfigError("give exactly one of policy_path=<pretrained_model directory> and expert=true")
+            policy_path = None if self.policy_path is None else str(self.policy_path)
+            raise ConfigError(f"policy_path={policy_path!r} expert={self.expert!r}: give exactly one of "
+                              "policy_path=<pretrained_model directory> and expert=true. Fix: "
+                              "policy_path=<pretrained_model directory>, or expert=true without policy_path")
 
 
 def _eval(args: EvalArgs) -> None:

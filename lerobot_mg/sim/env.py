@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import config_error
 from lerobot_mg.sim.backend import assert_rendering_available, require_sim
 
 FPS = 50
@@ -111,9 +111,9 @@ class CameraRenderer:
 
     def __init__(self, sim: TransferCubeSim, height: int, width: int, camera: str = CAMERA) -> None:
         if not (0 < height <= MAX_IMAGE_HEIGHT and 0 < width <= MAX_IMAGE_WIDTH):
-            raise ConfigError(
-                f"Image size {height}x{width} is outside the scene's offscreen buffer; use a height in "
-                f"1..{MAX_IMAGE_HEIGHT} and a width in 1..{MAX_IMAGE_WIDTH}."
+            raise config_error(
+                "image_size", [height, width], "is outside the scene's offscreen buffer",
+                f"image_size=[<height in 1..{MAX_IMAGE_HEIGHT}>,<width in 1..{MAX_IMAGE_WIDTH}>], e.g. [240,320]",
             )
         assert_rendering_available()
         import mujoco

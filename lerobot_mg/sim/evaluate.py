@@ -20,7 +20,7 @@ from lerobot_mg.checkpoint import layout
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.video import VideoEncoder
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.peft.lora import load_policy
 from lerobot_mg.processors import load_processors
 from lerobot_mg.sim.env import (
@@ -74,15 +74,16 @@ class PolicyController:
         unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
         if unsupported:
             raise ConfigError(
-                f"The policy in {pretrained_dir} reads {unsupported}, which the transfer-cube simulation does not "
-                f"provide (it provides {list(SUPPORTED_INPUTS)}). Evaluate a policy trained on the embedded "
-                "ALOHA dataset."
+                f"{pretrained_dir}: the policy reads {unsupported}, which the transfer-cube simulation does not "
+                f"provide (it provides {list(SUPPORTED_INPUTS)}). Fix: evaluate a policy trained on the embedded "
+                "ALOHA dataset (dataset=embedded)"
             )
         action_shape = list(self.policy.output_features["action"]["shape"])
         if action_shape != [NUM_JOINTS]:
             raise ConfigError(
-                f"The policy in {pretrained_dir} outputs actions of shape {action_shape}; the ALOHA scene takes "
-                f"[{NUM_JOINTS}] joint positions."
+                f"{pretrained_dir}: the policy outputs actions of shape {action_shape}, but the ALOHA scene takes "
+                f"[{NUM_JOINTS}] joint positions. Fix: evaluate a policy trained on the embedded ALOHA dataset "
+                "(dataset=embedded)"
             )
         self.image_size: tuple[int, int] | None = None
         if IMAGE_KEY in inputs:
@@ -145,9 +146,8 @@ def evaluate_policy(
     """
     pretrained_dir = Path(pretrained_dir)
     if not pretrained_dir.is_dir():
-        raise ConfigError(
-            f"pretrained_dir={str(pretrained_dir)!r} is not a directory; pass a `pretrained_model` dir."
-        )
+        raise config_error("policy_path", str(pretrained_dir), "is not a directory",
+                           "policy_path=<run>/checkpoints/<step or last>/pretrained_model")
     controller = PolicyController(pretrained_dir, device=device, merge_adapter=merge_adapter)
     return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes)
 
@@ -172,13 +172,12 @@ def run_evaluation(
     n_video_episodes: int = 3,
 ) -> dict[str, Any]:
     if n_episodes < 1:
-        raise ConfigError(f"n_episodes={n_episodes} must be >= 1; pass e.g. --n_episodes=50.")
+        raise config_error("n_episodes", n_episodes, "must be >= 1", "n_episodes=50")
     if max_steps < 1:
-        raise ConfigError(f"max_steps={max_steps} must be >= 1; pass e.g. --max_steps={EPISODE_LENGTH}.")
+        raise config_error("max_steps", max_steps, "must be >= 1", f"max_steps={EPISODE_LENGTH}")
     if seed_start < 0:
-        raise ConfigError(
-            f"seed_start={seed_start} must be >= 0; held-out seeds start at {HELD_OUT_SEED_START}."
-        )
+        raise config_error("seed_start", seed_start, f"must be >= 0 (held-out seeds start at {HELD_OUT_SEED_START})",
+                           f"seed_start={HELD_OUT_SEED_START}")
     sim = TransferCubeSim()
     policy_camera = CameraRenderer(sim, *controller.image_size) if controller.image_size is not None else None
     video_camera: CameraRenderer | None = None

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lerobot_mg.data.writer import LeRobotDatasetWriter
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import config_error
 from lerobot_mg.sim.env import (
     CAMERA,
     EPISODE_LENGTH,
@@ -95,9 +95,9 @@ def generate_dataset(
     if marker.is_file():
         report = json.loads(marker.read_text())
         if report["arguments"] != arguments:
-            raise ConfigError(
-                f"{root} already holds a generated dataset made with {report['arguments']}, not {arguments}. "
-                f"Pass another root, or delete {root} to regenerate it."
+            raise config_error(
+                "root", str(root), f"already holds a generated dataset made with {report['arguments']}, not "
+                f"{arguments}", f"another root, or delete {root} to regenerate it",
             )
         return {**report, "reused": True}
     _remove_incomplete(root)
@@ -211,19 +211,19 @@ def _validate_arguments(
     num_episodes: int, seed_start: int, image_size: tuple[int, int] | None, video_codec: str
 ) -> None:
     if num_episodes < 1:
-        raise ConfigError(f"num_episodes={num_episodes} must be >= 1; pass e.g. --num_episodes=50.")
+        raise config_error("num_episodes", num_episodes, "must be >= 1", "num_episodes=50")
     if not 0 <= seed_start < HELD_OUT_SEED_START:
-        raise ConfigError(
-            f"seed_start={seed_start} must be in [0, {HELD_OUT_SEED_START}): seeds from {HELD_OUT_SEED_START} on "
-            "are held out for evaluation. Pass e.g. --seed_start=0."
+        raise config_error(
+            "seed_start", seed_start, f"must be in [0, {HELD_OUT_SEED_START}): seeds from {HELD_OUT_SEED_START} on "
+            "are held out for evaluation", "seed_start=0",
         )
     if image_size is not None and (len(image_size) != 2 or any(size % 2 for size in image_size)):
-        raise ConfigError(
-            f"image_size={image_size} must be (height, width) with even sizes (the video is yuv420p); "
-            "pass e.g. --image_size 240 320."
+        raise config_error(
+            "image_size", image_size, "must be (height, width) with even sizes (the video is yuv420p)",
+            "image_size=[240,320]",
         )
     if video_codec not in ("h264", "av1"):
-        raise ConfigError(f"video_codec={video_codec!r} is not supported; pass 'h264' or 'av1'.")
+        raise config_error("video_codec", video_codec, "is not supported", "video_codec=h264 (or av1)")
 
 
 def _remove_incomplete(root: Path) -> None:
@@ -231,11 +231,11 @@ def _remove_incomplete(root: Path) -> None:
     if not root.exists():
         return
     if not root.is_dir():
-        raise ConfigError(f"Dataset root {root} exists and is not a directory; pass a directory path.")
+        raise config_error("root", str(root), "exists and is not a directory", "root=<a new or empty directory>")
     foreign = sorted(entry.name for entry in root.iterdir() if entry.name not in _DATASET_ENTRIES)
     if foreign:
-        raise ConfigError(
-            f"{root} has no {COMPLETE_MARKER} but holds {foreign}, which a dataset generation does not write; "
-            "refusing to delete it. Pass an empty or new directory as the dataset root."
+        raise config_error(
+            "root", str(root), f"has no {COMPLETE_MARKER} but holds {foreign}, which a dataset generation does not "
+            "write; refusing to delete it", "root=<a new or empty directory>",
         )
     shutil.rmtree(root)

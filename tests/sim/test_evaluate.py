@@ -140,7 +140,7 @@ def test_policy_with_inputs_the_simulation_lacks_is_rejected(tmp_path: Path) -> 
     save_untrained_policy(tmp_path, features, stats)
     with pytest.raises(ConfigError, match=r"reads \['observation.images.wrist'\], which the transfer-cube"):
         evaluate_policy(tmp_path, n_episodes=1, seed_start=HELD_OUT_SEED_START)
-    with pytest.raises(ConfigError, match="is not a directory"):
+    with pytest.raises(ConfigError, match=r"policy_path='.*missing': is not a directory\. Fix: policy_path="):
         evaluate_policy(tmp_path / "missing", n_episodes=1, seed_start=HELD_OUT_SEED_START)
 
 
@@ -154,7 +154,8 @@ def test_eval_command_on_the_expert(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert eval_main([f"--policy_path={tmp_path / 'missing'}", "--n_episodes=1"]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert eval_main(["n_episodes=1"]) == 2
-    assert "lerobot-mg-eval: error: give exactly one of policy_path=" in capsys.readouterr().err
+    assert "lerobot-mg-eval: error: policy_path=None expert=False: give exactly one of policy_path=" in (
+        capsys.readouterr().err)
 
 
 def test_image_policy_watches_the_rendered_camera(tmp_path: Path) -> None:

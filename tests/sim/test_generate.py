@@ -122,13 +122,13 @@ def test_image_dataset_records_the_top_camera(image_dataset: tuple[Path, dict]) 
 
 
 def test_invalid_arguments_are_reported(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="seed_start=100000 must be in"):
+    with pytest.raises(ConfigError, match=r"seed_start=100000: must be in .*\. Fix: seed_start=0"):
         generate_dataset(tmp_path / "a", num_episodes=1, seed_start=100_000)
-    with pytest.raises(ConfigError, match=r"image_size=\(47, 64\) must be \(height, width\) with even sizes"):
+    with pytest.raises(ConfigError, match=r"image_size=\(47, 64\): must be \(height, width\) with even sizes"):
         generate_dataset(tmp_path / "b", num_episodes=1, image_size=(47, 64))
-    with pytest.raises(ConfigError, match="outside the scene's offscreen buffer"):
+    with pytest.raises(ConfigError, match=r"image_size=\[960, 1280\]: is outside the scene's offscreen buffer\. Fix: "):
         generate_dataset(tmp_path / "c", num_episodes=1, image_size=(960, 1280))
-    with pytest.raises(ConfigError, match="num_episodes=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"num_episodes=0: must be >= 1\. Fix: num_episodes=50"):
         generate_dataset(tmp_path / "d", num_episodes=0)
     assert not any((tmp_path / name).exists() for name in "abcd")
 

@@ -359,6 +359,6 @@ def test_from_pretrained_rejects_weights_of_another_shape(tmp_path: Path) -> Non
     config["chunk_size"] = config["n_action_steps"] = 7
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"(?s)model\.safetensors does not match the policy built from .*decoder_queries"
+        ValueError, match=r"model\.safetensors: does not match the policy built from .*decoder_queries.*\. Fix: "
     ):
         load_pretrained(tmp_path)

@@ -55,7 +55,7 @@ def test_a_state_only_read_opens_no_camera(tiny_dataset: TinyDataset) -> None:
     assert VIDEO_KEY not in item and IMAGE_KEY not in item and "observation.environment_state" not in item
     np.testing.assert_array_equal(item["observation.state"].numpy(), tiny_dataset.frames["observation.state"][3])
     assert item["action"].shape == (2, 3) and item["index"].item() == 3
-    with pytest.raises(ConfigError, match=rf"{VIDEO_KEY}/chunk-000/file-000.mp4 does not exist, but the policy "
+    with pytest.raises(ConfigError, match=rf"{VIDEO_KEY}/chunk-000/file-000.mp4: does not exist, but the policy "
                                           r"reads its camera\. Fix: download"):
         LeRobotDataset(tiny_dataset.root, keys=[*STATE_ONLY, VIDEO_KEY])
 
@@ -88,12 +88,12 @@ def _truncate_video(root: Path) -> str:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return r"file-000.mp4 holds 18 frames but episode 2 ends at 2\.200s in it \(22 frames at 10 fps\)"
+    return r"file-000.mp4: holds 18 frames but episode 2 ends at 2\.200s in it \(22 frames at 10 fps\)"
 
 
 def _remove_parquet(root: Path) -> str:
     (root / "data/chunk-000/file-000.parquet").unlink()
-    return r"data/chunk-000/file-000.parquet does not exist, but the episodes table"
+    return r"data/chunk-000/file-000.parquet: does not exist, but the episodes table"
 
 
 @pytest.mark.parametrize("corrupt", [_remove_parquet, _drop_feature_from_info, _add_feature_to_info, _truncate_video])
@@ -164,7 +164,7 @@ def test_training_reads_only_the_policys_inputs(tiny_dataset: TinyDataset, tmp_p
                                  f"policy.observation_keys=[observation.state,{VIDEO_KEY}]"),
                        check=False, env={"HYDRA_FULL_ERROR": "0"})
     assert camera.returncode == 2, camera.stdout[-3000:]
-    assert f"{VIDEO_KEY}/chunk-000/file-000.mp4 does not exist, but the policy reads its camera" in camera.stdout
+    assert f"{VIDEO_KEY}/chunk-000/file-000.mp4: does not exist, but the policy reads its camera" in camera.stdout
     assert "Traceback" not in camera.stdout and not (tmp_path / "camera" / "ledger.jsonl").exists()
 
 

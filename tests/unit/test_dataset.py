@@ -163,7 +163,7 @@ def test_delta_timestamps_pad_at_episode_edges(tiny_dataset: TinyDataset) -> Non
 def test_delta_timestamps_validation(tiny_dataset: TinyDataset) -> None:
     with pytest.raises(ValueError, match=r"not multiples of 1/fps = 0.100000s \(fps=10\)"):
         LeRobotDataset(tiny_dataset.root, delta_timestamps={"action": [0.0, 0.05]})
-    with pytest.raises(ValueError, match="'actions', which is not a feature"):
+    with pytest.raises(ValueError, match=r"delta_timestamps\['actions'\]: 'actions' is not a feature .*\. Fix: "):
         LeRobotDataset(tiny_dataset.root, delta_timestamps={"actions": [0.0]})
     # Within tolerance of the 1/fps grid is accepted (float noise from 1/fps arithmetic).
     dataset = LeRobotDataset(tiny_dataset.root, delta_timestamps={"action": [0.0, 0.1 + 5e-5]})
@@ -227,7 +227,7 @@ def test_writer_user_errors(tmp_path: Path) -> None:
         LeRobotDatasetWriter(
             tmp_path / "a", fps=10, features={"cam": {"dtype": "video", "shape": [31, 32, 3]}}
         )
-    with pytest.raises(ValueError, match="video_codec='vp9' is not supported"):
+    with pytest.raises(ValueError, match="video_codec='vp9': is not supported. Fix: "):
         LeRobotDatasetWriter(tmp_path / "b", fps=10, features=tiny_features(), video_codec="vp9")
     with pytest.raises(ValueError, match="written by the writer itself"):
         LeRobotDatasetWriter(tmp_path / "c", fps=10, features={"index": {"dtype": "int64", "shape": [1]}})
@@ -236,7 +236,7 @@ def test_writer_user_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"missing \['action'\], unexpected \['actions'\]"):
         writer.add_frame({"actions": np.zeros(2)})
-    with pytest.raises(ValueError, match=r"shape \(3,\); the feature's shape is \(2,\)"):
+    with pytest.raises(ValueError, match=r"frame\['action'\]\.shape=\(3,\): the feature's shape is \(2,\)\. Fix: "):
         writer.add_frame({"action": np.zeros(3)})
     with pytest.raises(ValueError, match="before any save_episode"):
         writer.finalize()

@@ -160,7 +160,7 @@ def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
 
 
 def test_load_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="No policy_preprocessor.json in"):
+    with pytest.raises(ConfigError, match=r"holds no policy_preprocessor\.json\. Fix: pass a pretrained_model directory"):
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
     (tmp_path / "policy_preprocessor.json").write_text(
         json.dumps(
@@ -179,11 +179,13 @@ def test_load_errors(tmp_path: Path) -> None:
 def test_missing_or_mismatched_stats_are_user_errors() -> None:
     stats_without_std = {**STATS, "action": {"mean": [10.0, 20.0]}}
     with pytest.raises(
-        ValueError, match=r"No 'std' statistic for 'action'.*policy\.normalization_mapping\.ACTION=IDENTITY"
+        ValueError, match=r"policy\.normalization_mapping\.ACTION='MEAN_STD': needs the 'std' statistic of 'action'.*"
+        r"Fix: policy\.normalization_mapping\.ACTION=IDENTITY"
     ):
         make_processors(config_with(), INPUTS, OUTPUTS, stats_without_std)
     wrong_shape = {**STATS, "observation.state": {"mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}}
-    with pytest.raises(ConfigError, match=r"observation.state.mean has shape \(3,\).*feature shape \(2,\)"):
+    with pytest.raises(ConfigError, match=r"stats\['observation.state'\]\['mean'\]\.shape=\(3,\): does not broadcast to the "
+                       r"feature shape \(2,\)"):
         make_processors(config_with(), INPUTS, OUTPUTS, wrong_shape)
     # IDENTITY needs no statistics at all.
     make_processors(config_with(ACTION="IDENTITY"), INPUTS, OUTPUTS, stats_without_std)

@@ -129,5 +129,5 @@ def test_user_errors() -> None:
     sampler = ResumableBatchSampler(20, batch_size=2, seed=0)
     with pytest.raises(ValueError, match="saved for a dataset of 30 samples"):
         sampler.load_state_dict({**sampler.state_dict(), "num_samples": 30})
-    with pytest.raises(ValueError, match="resume with seed=4"):
+    with pytest.raises(ValueError, match=r"seed=\d+: the sampler state was saved with seed=4\. Fix: seed=4"):
         sampler.load_state_dict({**sampler.state_dict(), "seed": 4})

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lerobot_mg.config.act import ACTConfig
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import config_error
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy
 from lerobot_mg.policies.vision import VisionBackbone
 
@@ -178,14 +178,19 @@ class ACT(nn.Module):
         dim = config.dim_model
         for key, spec in input_features.items():
             if spec["type"] in ("STATE", "ENV") and len(spec["shape"]) != 1:
-                raise ConfigError(f"ACT takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
+                raise config_error("policy.observation_keys", list(input_features),
+                                   f"ACT takes 1-D state features, but {key!r} has shape {list(spec['shape'])}",
+                                   f"leave {key!r} out of policy.observation_keys")
         self.state_keys = [key for key, spec in input_features.items() if spec["type"] == "STATE"]
         self.vector_keys = [key for key, spec in input_features.items() if spec["type"] in ("STATE", "ENV")]
         self.image_keys = [key for key, spec in input_features.items() if spec["type"] == "VISUAL"]
         if not self.vector_keys and not self.image_keys:
-            raise ConfigError(f"ACT needs at least one STATE, ENV or VISUAL input; got {input_features}.")
+            raise config_error("policy.observation_keys", list(input_features),
+                               f"ACT needs at least one STATE, ENV or VISUAL input; got {input_features}",
+                               "policy.observation_keys=[<observation.* features of the dataset>]")
         if "action" not in output_features or len(output_features["action"]["shape"]) != 1:
-            raise ConfigError(f"ACT needs a 1-D `action` output feature; got {output_features}.")
+            raise config_error("output_features", output_features, "ACT needs a 1-D 'action' output feature",
+                               "a dataset (dataset.root) whose 'action' feature is 1-D")
         action_dim = int(output_features["action"]["shape"][0])
 
         if config.use_vae:
@@ -206,9 +211,11 @@ class ACT(nn.Module):
         if self.image_keys:
             num_channels = {int(input_features[key]["shape"][0]) for key in self.image_keys}
             if len(num_channels) != 1:
-                raise ConfigError(
-                    f"ACT shares one vision backbone across cameras, so all images need the same channel count; "
-                    f"got { {key: input_features[key]['shape'] for key in self.image_keys} }."
+                raise config_error(
+                    "policy.observation_keys", list(input_features),
+                    "ACT shares one vision backbone across cameras, so all images need the same channel count; "
+                    f"got { {key: input_features[key]['shape'] for key in self.image_keys} }",
+                    "leave the cameras with another channel count out of policy.observation_keys",
                 )
             self.backbone = VisionBackbone(num_channels.pop(), list(config.vision_channels))
             self.image_proj = nn.Conv2d(self.backbone.num_out_channels, dim, kernel_size=1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lerobot_mg.config.diffusion import DiffusionConfig
-from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.errors import config_error
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY, FeatureSpec, PreTrainedPolicy
 from lerobot_mg.policies.vision import VisionBackbone
 
@@ -138,15 +138,18 @@ class ObservationEncoder(nn.Module):
         vector_dims = {key: int(spec["shape"][0]) for key, spec in input_features.items() if spec["type"] != "VISUAL"}
         for key, spec in input_features.items():
             if spec["type"] != "VISUAL" and len(spec["shape"]) != 1:
-                raise ConfigError(f"Diffusion takes 1-D state features; {key!r} has shape {list(spec['shape'])}.")
+                raise config_error("policy.observation_keys", list(input_features),
+                                   f"Diffusion takes 1-D state features, but {key!r} has shape {list(spec['shape'])}",
+                                   f"leave {key!r} out of policy.observation_keys")
         self.rgb_encoders = nn.ModuleList()
         if self.image_keys:
             channels = {int(input_features[key]["shape"][0]) for key in self.image_keys}
             if len(channels) != 1 and not config.use_separate_rgb_encoder_per_camera:
-                raise ConfigError(
-                    "One shared image encoder needs the same channel count in every camera; got "
-                    f"{ {key: input_features[key]['shape'] for key in self.image_keys} }. Set "
-                    "policy.use_separate_rgb_encoder_per_camera=true."
+                raise config_error(
+                    "policy.use_separate_rgb_encoder_per_camera", config.use_separate_rgb_encoder_per_camera,
+                    "one shared image encoder needs the same channel count in every camera; got "
+                    f"{ {key: input_features[key]['shape'] for key in self.image_keys} }",
+                    "policy.use_separate_rgb_encoder_per_camera=true",
                 )
             num_encoders = len(self.image_keys) if config.use_separate_rgb_encoder_per_camera else 1
             self.rgb_encoders.extend(
@@ -305,7 +308,8 @@ class DiffusionPolicy(PreTrainedPolicy):
         super().__init__(config, input_features, output_features)
         self.config: DiffusionConfig = config
         if "action" not in output_features or len(output_features["action"]["shape"]) != 1:
-            raise ConfigError(f"Diffusion needs a 1-D `action` output feature; got {output_features}.")
+            raise config_error("output_features", output_features, "Diffusion needs a 1-D 'action' output feature",
+                               "a dataset (dataset.root) whose 'action' feature is 1-D")
         self.action_dim = int(output_features["action"]["shape"][0])
         self.image_keys = [key for key, spec in self.input_features.items() if spec["type"] == "VISUAL"]
         encoder_features = {key: dict(spec) for key, spec in self.input_features.items()}
