@@ -225,7 +225,8 @@ def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERA
     """Compare runs on their arithmetic; ``records`` come from ``read_ledger``, at least two. ``tolerance`` is
     relative, for the figures measured by the clock (0.1: within 10 % of each other they are held fixed)."""
     if len(records) < 2:
-        raise ConfigError(f"comparing runs needs at least two run directories, got {len(records)}.")
+        raise ConfigError(f"run_dirs={[str(r.run_dir) for r in records]}: comparing runs needs at least two run "
+                          "directories. Fix: lerobot-mg-compare <run dir> <run dir> [...]")
     if not 0 <= tolerance < math.inf:
         raise ConfigError(f"tolerance={tolerance}: must be a relative tolerance >= 0 (0.1 is 10 %). "
                           f"Fix: tolerance={DEFAULT_TOLERANCE}")
@@ -314,12 +315,15 @@ class ResumeCheck:
 def pick_resumed_run(records: Sequence[RunRecord]) -> tuple[RunRecord, RunRecord]:
     """(resumed, reference) for ``check_resume``: the first run with a resume is the resumed one."""
     if len(records) != 2:
-        raise ConfigError(f"check_resume compares exactly two runs (a resumed run and a reference), got {len(records)}.")
+        raise ConfigError(f"run_dirs={[str(r.run_dir) for r in records]}: check_resume compares exactly two runs (a "
+                          "resumed run and a reference). Fix: lerobot-mg-compare <resumed run> <reference run> "
+                          "check_resume=true")
     for position, record in enumerate(records):
         if any(segment.start.kind == "resume" for segment in record.effective_segments):
             return record, records[1 - position]
-    raise ConfigError(f"check_resume needs a resumed run, but neither {records[0].run_dir} nor {records[1].run_dir} "
-                     "has a resume record in its ledger.")
+    raise ConfigError(f"run_dirs={[str(records[0].run_dir), str(records[1].run_dir)]}: check_resume needs a resumed "
+                     "run, and neither ledger has a resume record. Fix: pass a run that was resumed (resume=true) "
+                     "and its reference, or drop check_resume")
 
 
 def check_resume(resumed: RunRecord, reference: RunRecord, window: int | None = None) -> ResumeCheck:

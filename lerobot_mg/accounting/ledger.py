@@ -147,8 +147,8 @@ def read_ledger(run_dir: Path) -> RunRecord:
     or right before a start/resume record. Anywhere else the ledger is corrupt and this raises."""
     path = Path(run_dir) / LEDGER_FILENAME
     if not path.is_file():
-        raise ConfigError(f"{run_dir} has no {LEDGER_FILENAME}: pass a run directory written by lerobot_mg training "
-                         "(the directory that holds checkpoints/ and train_config.json).")
+        raise ConfigError(f"{run_dir}: has no {LEDGER_FILENAME}, it is not a run directory of lerobot_mg training. "
+                         "Fix: pass the directory that holds checkpoints/ and train_config.json")
     lines = [(number, _parse(line)) for number, line in enumerate(path.read_text("utf-8").splitlines(), 1)
              if line.strip()]
     attempts: list[tuple[StartRecord, list[IntervalRecord]]] = []
@@ -161,14 +161,16 @@ def read_ledger(run_dir: Path) -> RunRecord:
                 attempts[-1][1].append(from_dict(IntervalRecord, record))
             elif record is not None:
                 raise ConfigError(f"{path}:{number}: expected a start, resume or interval record after a start "
-                                 f"record, got kind {kind!r}.")
+                                 f"record, got kind {kind!r}. Fix: restore the ledger, or compare another run")
             elif position + 1 < len(lines) and (lines[position + 1][1] or {}).get("kind") not in ("start", "resume"):
                 raise ConfigError(f"{path}:{number}: unreadable line in the middle of a run segment; only a crash's "
-                                 "last line may be partial. The ledger is corrupt: restore it or compare another run.")
+                                 "last line may be partial, so the ledger is corrupt. Fix: restore it, or compare another run")
         except (KeyError, TypeError) as error:
-            raise ConfigError(f"{path}:{number}: malformed {kind!r} record ({error!r}).") from error
+            raise ConfigError(f"{path}:{number}: malformed {kind!r} record ({error!r}). Fix: restore the ledger, or "
+                              "compare another run") from error
     if not attempts:
-        raise ConfigError(f"{path} holds no start record: the run never started training.")
+        raise ConfigError(f"{path}: holds no start record, the run never started training. Fix: compare a run "
+                          "that trained")
     return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals)) for start, intervals in attempts))
 
 

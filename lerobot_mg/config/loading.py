@@ -182,7 +182,8 @@ def load_train_config_json(path: Path) -> DictConfig:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ConfigError(f"config_path={str(path)!r} is not valid JSON ({error}); was the save interrupted?") from error
+        raise ConfigError(f"config_path={str(path)!r}: is not valid JSON ({error}), the save was interrupted. Fix: "
+                          "config_path=<the train_config.json of an earlier checkpoint>") from error
     data.pop(DERIVED_KEY, None)
     return OmegaConf.create(data)
 
@@ -210,7 +211,7 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
         merged = OmegaConf.merge(schema_for(saved), saved)
     except OmegaConfBaseException as error:
         raise ConfigError(
-            f"config_path={composed.config_path!r} does not match this version's config schema ({error}). Fix: "
+            f"config_path={composed.config_path!r}: does not match this version's config schema ({error}). Fix: "
             "resume with the lerobot_mg version that wrote it, or start a new run"
         ) from error
     saved_type = merged.policy.type
@@ -225,7 +226,7 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
         if key == "experiment":
             raise ConfigError(
                 "experiment=...: an experiment preset cannot be applied on resume (the saved train_config.json "
-                "already fixes the run). Fix: override the individual keys instead."
+                "already fixes the run). Fix: override the individual keys instead"
             )
         OmegaConf.update(merged, key, OmegaConf.select(composed, key), merge=False)
     merged.resume = True

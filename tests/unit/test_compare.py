@@ -345,7 +345,7 @@ def test_check_resume_without_digests_after_the_boundary_is_unverified(tmp_path:
 
 
 def test_check_resume_needs_a_resumed_run(note_runs: tuple[Path, Path]) -> None:
-    with pytest.raises(ConfigError, match="neither .* has a resume record"):
+    with pytest.raises(ConfigError, match="neither ledger has a resume record"):
         pick_resumed_run([read_ledger(run_dir) for run_dir in note_runs])
 
 
@@ -404,7 +404,7 @@ def test_cli_user_errors(tmp_path: Path) -> None:
     completed = subprocess.run([*script, str(tmp_path), str(tmp_path)], capture_output=True, text=True, env=env,
                                timeout=120, check=False)
     assert completed.returncode == 2
-    assert f"lerobot-mg-compare: error: {tmp_path} has no ledger.jsonl" in completed.stderr
+    assert f"lerobot-mg-compare: error: {tmp_path}: has no ledger.jsonl" in completed.stderr
     completed = subprocess.run([*script, "--help"], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert completed.returncode == 0
     assert "  check_resume=<true|false>  (default: false) with two runs, one resumed" in completed.stdout

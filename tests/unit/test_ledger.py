@@ -255,7 +255,7 @@ def test_an_attempt_wholly_redone_is_superseded(tmp_path: Path) -> None:
 
 
 def test_reader_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"has no ledger.jsonl: pass a run directory"):
+    with pytest.raises(ConfigError, match=r"has no ledger.jsonl, it is not a run directory"):
         read_ledger(tmp_path)
     path = tmp_path / LEDGER_FILENAME
     path.write_text('{"kind": "interval", "progress": {}}\n')
