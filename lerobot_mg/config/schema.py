@@ -28,7 +28,7 @@ from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.errors import config_error
 
-# The checkout this package runs from (a folder that means something only in a checkout: the benchmarks' outputs/).
+# The top-level folder of the checkout this package runs from (conf/, outputs/bench); an installed wheel has none.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The datasets shipped inside the package (package data), in a checkout and an installed wheel alike.
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"

@@ -106,6 +106,10 @@ def test_a_wheel_installed_elsewhere_trains_the_debug_preset_from_another_direct
     assert package_file == site / "lerobot_mg" / "__init__.py"  # the wheel's copy, not this checkout
     assert conf_dir == site / "lerobot_mg" / "conf"
 
+    help_page = _run([bin_dir / "lerobot-mg-train", "--help"], env=env, cwd=elsewhere)
+    assert help_page.returncode == 0 and help_page.stdout.startswith("lerobot-mg-train: "), help_page.stdout[-6000:]
+    assert "\npolicy: act, diffusion\n" in help_page.stdout  # the presets of the wheel's conf/
+
     train = _run([bin_dir / "lerobot-mg-train", "experiment=pusht_debug", "steps=2", "logging.wandb.mode=disabled",
                   "logging.progress_bar=false"], env=env, cwd=elsewhere)
     assert train.returncode == 0, train.stdout[-6000:]
