@@ -120,12 +120,13 @@ def test_a_wheel_installed_elsewhere_trains_the_debug_preset_from_another_direct
     assert Path(saved["dataset"]["root"]) == site / "lerobot_mg" / "data" / "pusht_image_slice"
 
 
-def test_importing_the_config_does_not_import_the_models_pyarrow_or_pyav() -> None:
+def test_importing_the_config_does_not_import_the_models_torch_pyarrow_or_pyav() -> None:
+    """The config layer loads no model code, torch, pyarrow or PyAV: those come with the modules that use them."""
     probe = _run([PYTHON, "-c", "import json, sys; import lerobot_mg.config; print(json.dumps(sorted(sys.modules)))"],
                  env=clean_env(), cwd=REPO)
     assert probe.returncode == 0, probe.stdout
     modules = json.loads(probe.stdout.splitlines()[-1])
-    heavy = sorted({name.split(".")[0] for name in modules if name.split(".")[0] in ("pyarrow", "av")}
+    heavy = sorted({name.split(".")[0] for name in modules if name.split(".")[0] in ("torch", "pyarrow", "av")}
                    | {name for name in modules if re.match(r"lerobot_mg\.policies\..*modeling", name)})
     ours = [name for name in modules if name.startswith("lerobot_mg")]
     assert not heavy, f"import lerobot_mg.config imports {heavy}, through the lerobot_mg modules {ours}"
