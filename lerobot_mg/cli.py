@@ -12,6 +12,8 @@ Errors name the key, the bad value and the fix; the command exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import sys
 import types
 import typing
@@ -23,6 +25,8 @@ from lerobot_mg.errors import ConfigError
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+# ``literal`` (reStructuredText), `code` (Markdown) and :role:`target` (Sphinx) in a docstring.
+_MARKUP = re.compile(r"(?::\w+:)?(``?)([^`]+?)\1")
 
 
 def run(args_type: type[T], body: Callable[[T], int | None], prog: str, doc: str | None = None,
@@ -74,12 +78,24 @@ def parse(args_type: type[T], argv: Sequence[str]) -> T:
 
 def help_text(args_type: type, prog: str, doc: str | None) -> str:
     hints = typing.get_type_hints(args_type)
-    lines = [f"usage: {prog} key=value ... (or --key=value)", "", (doc or args_type.__doc__ or "").strip(), "",
+    lines = [f"usage: {prog} key=value ... (or --key=value)", "", plain_text(doc or args_type.__doc__ or ""), "",
              "keys:"]
     for f in dataclasses.fields(args_type):
         default = "required" if _required(f) else f"default: {_default(f)}"
         kind = "|".join(f.metadata["choices"]) if "choices" in f.metadata else _kind(hints[f.name])
         lines.append(f"  {f.name}=<{kind}>  ({default}) {f.metadata.get('help', '')}".rstrip())
+    return "\n".join(lines)
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as a terminal should show it: dedented, without the backticks of its markup, and the lines of a
+    Markdown code block indented instead of fenced."""
+    lines, in_code = [], False
+    for line in inspect.cleandoc(doc).splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        else:
+            lines.append(f"  {line}" if in_code else _MARKUP.sub(r"\2", line))
     return "\n".join(lines)
 
 

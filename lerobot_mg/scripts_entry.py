@@ -21,7 +21,7 @@ logger = logging.getLogger("lerobot_mg.train")
 def train() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
     from lerobot_mg.config import register_configs
     from lerobot_mg.config.loading import (
@@ -43,6 +43,8 @@ def train() -> None:
         report_user_error(error)
         raise SystemExit(2) from None
     register_configs()
+    # ${lerobot_mg_presets:} in conf/hydra/help/train.yaml: the presets the --help page lists.
+    OmegaConf.register_new_resolver("lerobot_mg_presets", lambda: preset_listing(CONF_DIR), replace=True)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _main(composed: DictConfig) -> dict:
@@ -80,6 +82,17 @@ def train() -> None:
             raise SystemExit(2) from None
 
     _main()
+
+
+def preset_listing(conf_dir: Path) -> str:
+    """``group: option, ...``, one line per config group: the files in ``conf_dir/<group>/`` a user picks with
+    ``group=option`` (Hydra's own list would add the schema entries of the ConfigStore). The folder of the help
+    page itself is not a group a user picks."""
+    groups = sorted({path.parent for path in conf_dir.rglob("*.yaml")} - {conf_dir, conf_dir / "hydra" / "help"})
+    return "\n".join(
+        f"{group.relative_to(conf_dir).as_posix()}: {', '.join(sorted(path.stem for path in group.glob('*.yaml')))}"
+        for group in groups
+    )
 
 
 def convert_dcp() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from benchmarking import BenchResult, report
 
 REPO = Path(__file__).resolve().parents[1]
-DATASET = REPO / "tests" / "fixtures" / "pusht_image_slice"  # a real LeRobot v3.0 dataset shipped with the repo
+DATASET = REPO / "lerobot_mg" / "data" / "pusht_image_slice"  # a real LeRobot v3.0 dataset (package data)
 LAST = Path("checkpoints") / "last" / "pretrained_model"
 
 

@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-DATA=${DATA:-tests/fixtures/pusht_image_slice}
+DATA=${DATA:-lerobot_mg/data/pusht_image_slice}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=4 WANDB_MODE=disabled

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from lerobot_mg.accounting.ledger import read_ledger
 
 REPO = Path(__file__).resolve().parents[1]
-# A real third-party LeRobot v3.0 dataset shipped with the tests (licence and provenance in its README).
-PUSHT_SLICE = REPO / "tests" / "fixtures" / "pusht_image_slice"
+# A real third-party LeRobot v3.0 dataset shipped in the package (licence and provenance in its README).
+PUSHT_SLICE = REPO / "lerobot_mg" / "data" / "pusht_image_slice"
 TRAIN_SCRIPT = REPO / "scripts" / "train.py"
 PYTHON = sys.executable
 

@@ -29,7 +29,10 @@ from lerobot_mg.config.schema import (
 from lerobot_mg.config.validate import check_resume_request
 from lerobot_mg.errors import ConfigError, config_error
 
-CONF_DIR = REPO_ROOT / "conf"
+# conf/ is the top-level folder of a checkout (where users edit the presets) and package data in an installed
+# wheel (lerobot_mg/conf, mapped from the same folder by pyproject.toml).
+_PACKAGED_CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = _PACKAGED_CONF_DIR if _PACKAGED_CONF_DIR.is_dir() else REPO_ROOT / "conf"
 logger = logging.getLogger(__name__)
 
 # Hydra's own long options; everything else spelled `--a.b=c` is a config override.

@@ -28,7 +28,10 @@ from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.errors import config_error
 
+# The top-level folder of the checkout this package runs from (conf/, outputs/bench); an installed wheel has none.
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The datasets shipped inside the package (package data), in a checkout and an installed wheel alike.
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 # The config dataclass of each policy: the schema of its `policy` preset; lerobot_mg.policies.registry maps the same
 # names to the policy classes.
@@ -239,8 +242,8 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    # ${repo_root:} in conf/: the checkout this package runs from (conf/ and the test fixtures live there).
-    OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT), replace=True)
+    # ${lerobot_mg_data:} in conf/: DATA_DIR, e.g. the PushT slice of experiment=pusht_debug.
+    OmegaConf.register_new_resolver("lerobot_mg_data", lambda: str(DATA_DIR), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     for name, config_class in POLICY_CONFIGS.items():  # conf/policy/<name>.yaml starts from <name>_schema

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint.convert import ConvertArgs
-from lerobot_mg.cli import help_text, parse, run
+from lerobot_mg.cli import help_text, parse, plain_text, run
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.scripts_entry import CompareArgs
-from lerobot_mg.sim.cli import EvalArgs, MakeDatasetArgs
+from lerobot_mg.scripts_entry import CompareArgs, compare_runs
+from lerobot_mg.sim.cli import EvalArgs, MakeDatasetArgs, eval_main, make_dataset_main
+from tests.launch_utils import PYTHON, REPO, TRAIN_SCRIPT, clean_env
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,59 @@ def test_command_checks_name_the_fix() -> None:
     assert parse(EvalArgs, ["--expert"]).expert
     assert parse(CompareArgs, ["a", "b", "--check-resume", "--out", "o"]) == CompareArgs(
         [Path("a"), Path("b")], True, None, Path("o"))
+
+
+def test_docstrings_print_as_plain_text() -> None:
+    doc = """Merge ``a`` into `b` (see :mod:`lerobot_mg.cli`).
+
+        ```bash
+        tool key=value
+        ```
+
+        ``key`` is a path.
+        """
+    assert plain_text(doc) == "Merge a into b (see lerobot_mg.cli).\n\n  tool key=value\n\nkey is a path."
+
+
+@pytest.mark.parametrize(
+    ("main", "prog"),
+    [(convert.main, "lerobot-mg-convert-dcp"), (compare_runs, "lerobot-mg-compare"),
+     (make_dataset_main, "lerobot-mg-make-dataset"), (eval_main, "lerobot-mg-eval")],
+)
+def test_every_other_command_prints_its_help_as_plain_text(
+    main: Callable[[list[str]], int], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} key=value ... (or --key=value)\n\n")
+    assert "`" not in out  # no ``literal``, `code` or ``` fence: a terminal shows them as they are
+    assert not [line for line in out.splitlines() if line.startswith("    ")]  # docstring indentation removed
+    assert "\nkeys:\n" in out
+
+
+def test_convert_help_indents_its_example_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    convert.main(["--help"])
+    assert "\n  lerobot-mg-convert-dcp checkpoint_dir=outputs/train/run/checkpoints/005000\n" in capsys.readouterr().out
+
+
+def test_train_help_names_the_command_its_quick_start_and_only_the_real_presets() -> None:
+    proc = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "--help"], env=clean_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("lerobot-mg-train: train a policy"), out[:200]
+    assert "powered by Hydra" not in out and "scripts_entry" not in out
+    quick_start = out.split("== Quick start ==\n", 1)[1].split("\n\n", 1)[0]
+    for command in ("lerobot-mg-train experiment=pusht_debug\n",
+                    "torchrun --nproc-per-node=2 --no-python lerobot-mg-train experiment=pusht_debug "
+                    "parallelism.dp_shard=2",
+                    "lerobot-mg-train resume=true config_path=", "lerobot-mg-train -m optimizer.lr=",
+                    "lerobot-mg-train -m hydra/launcher=slurm"):
+        assert command in quick_start, quick_start
+    presets = out.split("== Presets (group=option) ==\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    conf = REPO / "conf"
+    groups = sorted(["hydra/launcher", *(path.name for path in conf.iterdir() if path.is_dir() and path.name != "hydra")])
+    assert presets == [f"{group}: {', '.join(sorted(path.stem for path in (conf / group).glob('*.yaml')))}"
+                       for group in groups]
+    assert "policy: act, diffusion" in presets  # not the ConfigStore's act_schema and diffusion_schema
+    assert "\n== Config (key=value; the values this command line composes) ==\nparallelism:\n" in out
