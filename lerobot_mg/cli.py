@@ -60,7 +60,7 @@ def parse(args_type: type[T], argv: Sequence[str]) -> T:
             key, equals, value = arg.removeprefix("--").partition("=")
             key = key.replace("-", "_")
             if key not in fields:
-                raise ConfigError(f"{arg}: unknown argument; the arguments are {', '.join(fields)}.")
+                raise ConfigError(f"{arg}: unknown argument. Fix: one of {', '.join(fields)} (key=value)")
             values = [value] if equals else []
             while not equals and position < len(argv) and _takes(hints[key], values, argv[position]):
                 values.append(argv[position])
@@ -69,10 +69,10 @@ def parse(args_type: type[T], argv: Sequence[str]) -> T:
         elif positional is not None:
             raw.setdefault(positional, []).append(arg)
         else:
-            raise ConfigError(f"argument {arg!r} is not key=value. Fix: {next(iter(fields))}=<value>")
+            raise ConfigError(f"{arg}: is not key=value. Fix: {next(iter(fields))}=<value>")
     missing = [name for name, f in fields.items() if name not in raw and _required(f)]
     if missing:
-        raise ConfigError(f"{missing[0]} is required. Fix: {missing[0]}=<{_kind(hints[missing[0]])}>")
+        raise ConfigError(f"{missing[0]}=None: is required. Fix: {missing[0]}=<{_kind(hints[missing[0]])}>")
     return args_type(**{key: _convert(key, hints[key], values, fields[key]) for key, values in raw.items()})
 
 
@@ -145,12 +145,12 @@ def _convert(key: str, hint: Any, values: list[str], f: dataclasses.Field) -> An
     (value,) = values
     choices = f.metadata.get("choices")
     if choices and value not in choices:
-        raise ConfigError(f"{key}={value}: expected one of {', '.join(choices)}. Fix: {key}={choices[0]}")
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(choices)}. Fix: {key}={choices[0]}")
     if hint is bool:
         if value.lower() not in _TRUE + _FALSE:
-            raise ConfigError(f"{key}={value}: expected true or false. Fix: {key}=true")
+            raise ConfigError(f"{key}={value!r}: expected true or false. Fix: {key}=true")
         return value.lower() in _TRUE
     try:
         return hint(value)
     except ValueError:
-        raise ConfigError(f"{key}={value}: expected {_kind(hint)}. Fix: {key}=<{_kind(hint)}>") from None
+        raise ConfigError(f"{key}={value!r}: expected {_kind(hint)}. Fix: {key}=<{_kind(hint)}>") from None

@@ -133,7 +133,8 @@ def _compare(args: CompareArgs) -> int:
     tolerance = compare.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
     comparison = compare.compare_runs(records, tolerance)
     if args.window is not None and not args.check_resume:
-        raise ConfigError("window only applies with check_resume=true; add check_resume=true or drop window.")
+        raise ConfigError(f"window={args.window!r}: only applies with check_resume=true. Fix: add check_resume=true, or "
+                          "drop window")
     check = compare.check_resume(*compare.pick_resumed_run(records), window=args.window) if args.check_resume else None
     default_name = re.sub(r"[^\w.-]+", "_", "__vs__".join(compare.run_labels(records)))[:150]
     out_dir = args.out or Path("outputs/compare") / default_name

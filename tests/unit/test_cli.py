@@ -50,12 +50,12 @@ def test_defaults_and_null() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["root=x", "count=many"], "count=many: expected int. Fix: count=<int>"),
-        (["root=x", "codec=vp9"], "codec=vp9: expected one of h264, av1. Fix: codec=h264"),
-        (["count=1"], "root is required. Fix: root=<path>"),
+        (["root=x", "count=many"], "count='many': expected int. Fix: count=<int>"),
+        (["root=x", "codec=vp9"], "codec='vp9': expected one of h264, av1. Fix: codec=h264"),
+        (["count=1"], "root=None: is required. Fix: root=<path>"),
         (["root=x", "--colour=red"],
-         "--colour=red: unknown argument; the arguments are root, count, size, flag, codec."),
-        (["root=x", "stray"], "argument 'stray' is not key=value. Fix: root=<value>"),
+         "--colour=red: unknown argument. Fix: one of root, count, size, flag, codec (key=value)"),
+        (["root=x", "stray"], "stray: is not key=value. Fix: root=<value>"),
     ],
 )
 def test_errors_name_the_key_the_value_and_the_fix(argv: list[str], message: str) -> None:
