@@ -19,6 +19,7 @@ from torch import nn
 
 from lerobot_mg.checkpoint.resume import ResumePoint, resume_point
 from lerobot_mg.config.choices import DatasetName
+from lerobot_mg.config.loading import check_resume_request
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
 from lerobot_mg.data.meta import DatasetMeta
@@ -54,6 +55,8 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
         check_accelerate_env(env)
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
     validate(cfg, dims.is_sharded)
+    check_resume_request(cfg.resume, cfg.config_path)
+    check_output_dir(cfg)
     check_device(cfg)
     check_finetune(cfg, dims.is_sharded)
     dataset = check_dataset(cfg, dims.dp_world_size)
@@ -62,6 +65,18 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     if on_this_machine and not cfg.plan:
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
     return Preflight(dims, dataset, resume, memory)
+
+
+def check_output_dir(cfg: TrainConfig) -> None:
+    """A new run never writes into another run's directory."""
+    if not cfg.resume and cfg.output_dir is not None and Path(cfg.output_dir).is_dir():
+        if any(Path(cfg.output_dir).iterdir()):
+            raise config_error(
+                "output_dir", cfg.output_dir,
+                "already exists and is not empty; two runs must never share a run directory",
+                "a new output_dir, or resume=true config_path=<output_dir>/checkpoints/last/pretrained_model/"
+                "train_config.json",
+            )
 
 
 def check_device(cfg: TrainConfig) -> None:

@@ -26,7 +26,6 @@ from lerobot_mg.config.schema import (
     TrainConfig,
     policy_config_class,
 )
-from lerobot_mg.config.validate import check_resume_request
 from lerobot_mg.errors import ConfigError, config_error
 
 # conf/ is the top-level folder of a checkout (where users edit the presets) and package data in an installed
@@ -200,6 +199,26 @@ def override_keys(overrides: list[str]) -> list[str]:
             continue
         keys.append(key)
     return keys
+
+
+def check_resume_request(resume: bool, config_path: str | None) -> None:
+    """The resume inputs alone, before the saved config is read: resume=true names a train_config.json that exists,
+    and only a resume names one."""
+    if resume:
+        if config_path is None:
+            raise config_error(
+                "config_path", None, "resume=true needs the train_config.json of the checkpoint to resume",
+                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+            )
+        if not Path(config_path).is_file():
+            raise config_error(
+                "config_path", config_path,
+                "is a directory, not the train_config.json file in it" if Path(config_path).is_dir()
+                else "does not exist",
+                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
+            )
+    elif config_path is not None:
+        raise config_error("config_path", config_path, "is only read when resuming", "resume=true, or remove config_path")
 
 
 def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfig:

@@ -9,8 +9,6 @@ the dotted key, the bad value and the override that fixes it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from lerobot_mg.config.choices import CheckpointFormat, DatasetName, MixedPrecision, SchedulerType
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.errors import config_error
@@ -31,7 +29,6 @@ def validate(cfg: TrainConfig, sharded: bool) -> None:
     _validate_accelerator(cfg, sharded)
     _validate_checkpoint(cfg, sharded)
     _validate_data_and_optim(cfg)
-    _validate_resume_and_output(cfg)
     cfg.policy.validate()
 
 
@@ -180,36 +177,5 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
             "evaluation runs the ALOHA transfer-cube simulation, which only matches the embedded dataset",
             "eval.n_episodes=0, or dataset=embedded",
         )
-
-
-def check_resume_request(resume: bool, config_path: str | None) -> None:
-    """The resume inputs alone; also called before the saved config is read (config.loading)."""
-    if resume:
-        if config_path is None:
-            raise config_error(
-                "config_path", None, "resume=true needs the train_config.json of the checkpoint to resume",
-                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
-            )
-        if not Path(config_path).is_file():
-            raise config_error(
-                "config_path", config_path,
-                "is a directory, not the train_config.json file in it" if Path(config_path).is_dir()
-                else "does not exist",
-                "config_path=<run>/checkpoints/last/pretrained_model/train_config.json",
-            )
-    elif config_path is not None:
-        raise config_error("config_path", config_path, "is only read when resuming", "resume=true, or remove config_path")
-
-
-def _validate_resume_and_output(cfg: TrainConfig) -> None:
-    check_resume_request(cfg.resume, cfg.config_path)
-    if not cfg.resume and cfg.output_dir is not None and Path(cfg.output_dir).exists():
-        if any(Path(cfg.output_dir).iterdir()):
-            raise config_error(
-                "output_dir", cfg.output_dir,
-                "already exists and is not empty; two runs must never share a run directory",
-                "a new output_dir, or resume=true config_path=<output_dir>/checkpoints/last/pretrained_model/"
-                "train_config.json",
-            )
 
 
