@@ -102,3 +102,14 @@ def test_the_rollout_loop_into_a_file_prints_no_bar(capsys: pytest.CaptureFixtur
     assert "\r" not in out.out + out.err
     assert [line.split(" | ")[0] for line in out.out.splitlines() if line.startswith("evaluation")] == [
         "evaluation episode 2/2"]
+
+
+def test_a_terminal_keeps_the_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    clock, progress = FakeClock(), Progress()
+    display = ProgressDisplay(10, progress, samples_per_step=8, log_every_s=0, terminal=True, clock=clock)
+    for step in range(1, 11):
+        _advance(progress, display, clock, 10.0, loss=0.5, log_step=step % 5 == 0)
+    display.close()
+    out = capsys.readouterr().out
+    assert "10/10" in out and "loss=0.5000" in out and "\r" in out  # the bar redraws itself
+    assert "train step" not in out
