@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[sim,dev]"
+	$(PY) -m pip install -e ".[sim,dev,trackio]"
 	touch $(STAMP)
 
 # The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT

@@ -27,6 +27,7 @@ from lerobot_mg.distributed.device import compile_unavailable_reason, precision_
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.distributed.memory import MemoryPlan, check_fits, memory_budget, plan_memory
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.trackers import check_trackers
 from lerobot_mg.errors import config_error
 from lerobot_mg.peft.base import check_policy_path, stored_dtype
 from lerobot_mg.peft.build import build_policy
@@ -58,6 +59,7 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     check_resume_request(cfg.resume, cfg.config_path)
     check_output_dir(cfg)
     check_device(cfg)
+    check_trackers(cfg.trackio)
     check_finetune(cfg, dims.is_sharded)
     dataset = check_dataset(cfg, dims.dp_world_size)
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None

@@ -1,13 +1,16 @@
 """What a run records as it goes, behind one object so the loop stays short: loop counters, digests of what the
-DataLoader delivered, metrics reduced across ranks, the ledger (the run's one time series), wandb and the
-progress bar."""
+DataLoader delivered, metrics reduced across ranks, the ledger (the run's one time series), the trackers (wandb,
+trackio) and the progress shown on stdout."""
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +19,11 @@ import torch
 
 from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest
 from lerobot_mg.checkpoint.resume import ResumePoint
-from lerobot_mg.config.schema import LoggingConfig, TrainConfig
+from lerobot_mg.config.schema import LoggingConfig, TrackioConfig, TrainConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
-from lerobot_mg.distributed.metrics import IntervalMetrics, WandbLogger
+from lerobot_mg.distributed.metrics import IntervalMetrics
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
+from lerobot_mg.distributed.trackers import Trackers
 from lerobot_mg.run_facts import Progress, RunFacts
 from lerobot_mg.step import StepLogs
 
@@ -86,22 +90,20 @@ class RunTracker:
 
     def __init__(self, logging: LoggingConfig, log_freq: int, total_steps: int, facts: RunFacts,
                  progress: Progress, dims: ParallelDims, output_dir: Path, device: torch.device,
-                 run_config: dict[str, Any]):
+                 run_config: dict[str, Any], trackio: TrackioConfig | None = None):
         self.log_freq, self.total_steps, self.facts, self.progress = log_freq, total_steps, facts, progress
         self.ledger = RunLedger(output_dir, dims.is_main_process)
         self.ledger.write(StartRecord(time.time(), replace(progress), facts))
-        self.wandb = WandbLogger(output_dir, dims.is_main_process, logging.wandb.mode, logging.wandb.project,
-                                 logging.wandb.entity, logging.wandb.group, f"{run_config['job_name']}-{output_dir.name}",
-                                 run_config)
+        # The run directory's one tracker run: a resume or a requeue continues it (distributed/trackers.py).
+        self.trackers = Trackers(logging.wandb, trackio or TrackioConfig(), output_dir, dims.is_main_process,
+                                 f"{run_config['job_name']}-{output_dir.name}", run_config)
         self.interval = IntervalMetrics(dims, device)
         self.digests = LoaderDigests(facts.batch, dims.rank) if logging.record_sample_digests else None
         self.last_metrics: dict[str, float] = {"loss": math.nan}
         self._last_grad_norm = self._lr = math.nan
-        self._bar = None
-        if logging.progress_bar and dims.is_main_process:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True)
+        self._progress = (ProgressDisplay(total_steps, progress, facts.batch.samples_per_loop_step,
+                                          logging.log_every_s)
+                          if logging.progress_bar and dims.is_main_process else None)
         self._start = self._interval_start = time.perf_counter()
         self._interval_steps = 0
 
@@ -123,10 +125,11 @@ class RunTracker:
             p.skipped_updates += int(logs.skipped)
             if self.digests is not None:
                 self.digests.end_update(p.optimizer_updates, p.step)
-        if p.step % self.log_freq == 0 or p.step == self.total_steps:
+        log_step = p.step % self.log_freq == 0 or p.step == self.total_steps
+        if log_step:
             self.end_interval()
-        if self._bar is not None:
-            self._bar.update(1)
+        if self._progress is not None:
+            self._progress.step_done(data_wait_s, self.last_metrics["loss"], force_line=log_step)
 
     def end_interval(self) -> None:
         """Reduce and record the interval so far (nothing if it is empty). Collective: every rank calls it at the
@@ -146,10 +149,8 @@ class RunTracker:
         p = self.progress
         self.ledger.write(IntervalRecord(time.time(), replace(p), time.perf_counter() - self._start,
                                          reduced, updates))
-        self.wandb.log(p.step, {**reduced, "samples_seen": p.samples_seen, "optimizer_updates": p.optimizer_updates,
-                                "skipped_updates": p.skipped_updates})
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{reduced['loss']:.4f}", lr=f"{self._lr:.2e}")
+        self.trackers.log(p.step, {**reduced, "samples_seen": p.samples_seen,
+                                   "optimizer_updates": p.optimizer_updates, "skipped_updates": p.skipped_updates})
         self.last_metrics = reduced
 
     def checkpoint(self) -> None:
@@ -159,10 +160,64 @@ class RunTracker:
         self.ledger.sync()
 
     def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        self.ledger.close()
+        self.trackers.close()
+
+
+class ProgressDisplay:
+    """Training progress on stdout (main process). On a terminal, a bar; otherwise (a SLURM job's .out file, a
+    redirect) one plain line every ``log_every_s`` seconds and at every log step, which a log file can hold::
+
+        train step 300/2000 (15%) | samples 2400 | updates 300 | loss 0.4312 | 81.2 samples/s | data wait 3% | ETA 0:00:21
+
+    The loss is the last log step's (reading the current one would cost a host sync per step); samples/s and the
+    share of time spent waiting for data are this process's, since the previous line. ``clock`` is injectable for
+    tests."""
+
+    def __init__(self, total_steps: int, progress: Progress, samples_per_step: int, log_every_s: float,
+                 terminal: bool | None = None, clock: Callable[[], float] = time.monotonic):
+        self.total_steps, self.progress, self.samples_per_step = total_steps, progress, samples_per_step
+        self.log_every_s, self.clock = log_every_s, clock
+        self._first_step = progress.step
+        self._start = self._line_time = clock()
+        self._line_step, self._line_wait = progress.step, 0.0
+        self._bar = None
+        if sys.stdout.isatty() if terminal is None else terminal:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stdout)
+
+    def step_done(self, data_wait_s: float, loss: float, force_line: bool) -> None:
+        """After each loop step; ``force_line`` at a log step (a new ``loss``)."""
+        if self._bar is not None:
+            if force_line:
+                self._bar.set_postfix(loss=f"{loss:.4f}")
+            self._bar.update(1)
+            return
+        self._line_wait += data_wait_s
+        now = self.clock()
+        if force_line or now - self._line_time >= self.log_every_s:
+            print(self._line(now, loss), flush=True)
+            self._line_time, self._line_step, self._line_wait = now, self.progress.step, 0.0
+
+    def _line(self, now: float, loss: float) -> str:
+        p, window = self.progress, max(now - self._line_time, 1e-9)
+        rate = (p.step - self._line_step) * self.samples_per_step / window
+        steps_per_s = (p.step - self._first_step) / max(now - self._start, 1e-9)
+        eta = timedelta(seconds=round((self.total_steps - p.step) / steps_per_s)) if steps_per_s > 0 else "?"
+        return " | ".join([
+            f"train step {p.step}/{self.total_steps} ({100 * p.step // max(self.total_steps, 1)}%)",
+            f"samples {p.samples_seen}", f"updates {p.optimizer_updates}",
+            f"loss {loss:.4f}" if math.isfinite(loss) else "loss -",  # none before the first log step
+            f"{rate:.1f} samples/s", f"data wait {100 * self._line_wait / window:.0f}%", f"ETA {eta}",
+        ])
+
+    def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        self.ledger.close()
-        self.wandb.close()
 
 
 def log_resume(resume: ResumePoint, facts: RunFacts, position: str) -> None:

@@ -108,7 +108,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         set_seed(cfg.seed + dims.rank)  # per-rank noise (dropout, VAE sampling) after identical initial weights
 
     tracker = RunTracker(cfg.logging, cfg.log_freq, cfg.steps, facts, progress, dims, output_dir, accelerator.device,
-                         train_config)  # writes the start/resume record
+                         train_config, cfg.trackio)  # writes the start/resume record
     if dims.is_main_process:
         print_banner(cfg, facts, dataset, output_dir, progress)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,

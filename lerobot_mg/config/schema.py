@@ -198,8 +198,21 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Progress on stdout (main process): a bar on a terminal; otherwise (a SLURM .out file, `> log`) one plain line
+    # every log_every_s seconds and at every log step. false: neither.
     progress_bar: bool = True
+    log_every_s: float = 30.0
     record_sample_digests: bool = True  # a digest of the index values the DataLoaders delivered, per optimizer update
+
+
+@dataclass
+class TrackioConfig:
+    """trackio, the local-first tracker (the `trackio` extra): the same metrics as wandb at the same steps, into a
+    local store (``$TRACKIO_DIR``, default ``~/.cache/huggingface/trackio``; ``trackio show`` opens it)."""
+
+    enable: bool = False
+    project: str = "lerobot_mg"
+    group: str | None = None  # runs of one group show together; a sweep sets it to the sweep's name
 
 
 @dataclass
@@ -224,6 +237,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trackio: TrackioConfig = field(default_factory=TrackioConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     output_dir: str | None = None  # default: outputs/train/<date>/<time>_<job_name>_<id>, one per run

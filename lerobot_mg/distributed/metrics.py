@@ -1,10 +1,8 @@
-"""Metrics reduced across ranks (the ledger records them), and the main process's wandb sink."""
+"""Metrics reduced across ranks: the ledger records them, and the trackers (distributed/trackers.py) get them."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,25 +56,3 @@ class IntervalMetrics:
         self.start = time.perf_counter()
         return out, values[len(keys) : len(keys) + len(extra)]
 
-
-class WandbLogger:
-    """Main-process sink for wandb (the ledger is the run's own time series); a no-op when disabled."""
-
-    def __init__(self, output_dir: Path, is_main: bool, wandb_mode: str, wandb_project: str,
-                 wandb_entity: str | None, wandb_group: str | None, run_name: str, config: dict[str, Any]):
-        self._wandb = None
-        if is_main and wandb_mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(
-                mode=wandb_mode, project=wandb_project, entity=wandb_entity, group=wandb_group, name=run_name,
-                dir=str(output_dir), config=config, resume="allow",
-            )
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()

@@ -4,7 +4,7 @@ A local Hydra sweep runs every point in one Python process, one after another. E
 state that would leak into the next point: the default process group, accelerate's shared ``PartialState`` /
 ``AcceleratorState`` / ``GradientState`` (a second ``Accelerator`` with another precision refuses to build; the
 CPU rehearsal relabels the shared distributed type), environment variables accelerate writes (our environment
-guard would refuse the next run because of them), a wandb run still open after a failure, this run's log file
+guard would refuse the next run because of them), a wandb or trackio run still open after a failure, this run's log file
 handler, and the preemption signal handler. :func:`releases_run_state` tears all of it down when ``train()``
 returns or raises; every run seeds its RNGs itself at start.
 """
@@ -67,6 +67,12 @@ def _finish_wandb() -> None:
         wandb.run.finish(exit_code=1)  # a run that raised before closing its tracker
 
 
+def _finish_trackio() -> None:
+    trackio = sys.modules.get("trackio")  # only if a run imported it (the `trackio` extra)
+    if trackio is not None and trackio.context_vars.current_run.get() is not None:
+        trackio.finish()  # a run that raised before closing its tracker
+
+
 def _reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -85,6 +91,7 @@ def release_run_state(environ_before: dict[str, str]) -> None:
     run that failed anywhere, and when nothing was set up."""
     _restore_signal_handlers()
     _finish_wandb()
+    _finish_trackio()
     _detach_run_logs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # every group, the default one included

@@ -1,4 +1,4 @@
-"""One point of a Hydra multirun (``-m``), locally or as a SLURM job: its run directory, resume and wandb group.
+"""One point of a Hydra multirun (``-m``), locally or as a SLURM job: its run directory, resume and tracker group.
 
 The run directory is Hydra's job directory, ``<hydra.sweep.dir>/<job number>``: the sweep directory is resolved
 once, in the process that launched the sweep, and travels inside the submission, so every rank of a SLURM job
@@ -62,6 +62,8 @@ def prepare_sweep_job(composed: DictConfig, hydra_cfg: DictConfig) -> tuple[Dict
     with open_dict(composed):
         if composed.logging.wandb.group is None:
             composed.logging.wandb.group = str(hydra_cfg.sweep.dir)
+        if composed.trackio.group is None:
+            composed.trackio.group = str(hydra_cfg.sweep.dir)
         if step is not None:
             # The job's config is composed from the same overrides as the first attempt's: only the resume is new.
             composed.resume = True

@@ -7,8 +7,11 @@ held-out seeds (``HELD_OUT_SEED_START`` and up): dataset seeds stay below it.
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,19 +140,21 @@ def evaluate_policy(
     device: str = "cpu",
     n_video_episodes: int = 3,
     merge_adapter: bool = True,
+    log_every_s: float = 30.0,
 ) -> dict[str, Any]:
     """Rolls out the policy saved in ``pretrained_dir`` on seeds ``seed_start .. seed_start+n_episodes-1``.
 
     Returns ``success_rate``, ``num_successes``, ``n_episodes``, ``mean_return``, ``per_episode``
     (seed, success, sum_reward, max_reward, num_steps), ``seconds_per_episode`` and ``videos``
-    (mp4 files of the first ``n_video_episodes`` episodes when ``video_dir`` is given).
+    (mp4 files of the first ``n_video_episodes`` episodes when ``video_dir`` is given). Progress: a bar on a
+    terminal, else a plain line every ``log_every_s`` seconds and after the last episode.
     """
     pretrained_dir = Path(pretrained_dir)
     if not pretrained_dir.is_dir():
         raise config_error("policy_path", str(pretrained_dir), "is not a directory",
                            "policy_path=<run>/checkpoints/<step or last>/pretrained_model")
     controller = PolicyController(pretrained_dir, device=device, merge_adapter=merge_adapter)
-    return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes)
+    return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes, log_every_s)
 
 
 def evaluate_expert(
@@ -170,6 +175,8 @@ def run_evaluation(
     video_dir: Path | None = None,
     max_steps: int = EPISODE_LENGTH,
     n_video_episodes: int = 3,
+    log_every_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     if n_episodes < 1:
         raise config_error("n_episodes", n_episodes, "must be >= 1", "n_episodes=50")
@@ -188,14 +195,16 @@ def run_evaluation(
     results: list[EpisodeResult] = []
     videos: list[str] = []
     started = time.perf_counter()
+    progress = EpisodeProgress(n_episodes, log_every_s, clock)
     try:
-        for episode_index in tqdm(range(n_episodes), desc="evaluation", unit="episode"):
+        for episode_index in progress.episodes():
             seed = seed_start + episode_index
             record = video_camera is not None and episode_index < n_video_episodes
             result, frames = _rollout(
                 sim, controller, seed, max_steps, policy_camera, video_camera if record else None
             )
             results.append(result)
+            progress.episode_done(result.success)
             if record:
                 assert video_dir is not None and frames
                 path = Path(video_dir) / f"eval_episode_{episode_index:03d}_seed_{seed}.mp4"
@@ -219,6 +228,34 @@ def run_evaluation(
         "seconds_per_episode": round(seconds / n_episodes, 3),
         "videos": videos,
     }
+
+
+class EpisodeProgress:
+    """Evaluation progress on stdout, by the rule of training's: a bar on a terminal; otherwise (a SLURM job's .out
+    file, a redirect) one plain line every ``log_every_s`` seconds and after the last episode."""
+
+    def __init__(self, n_episodes: int, log_every_s: float, clock: Callable[[], float],
+                 terminal: bool | None = None) -> None:
+        self.n_episodes, self.log_every_s, self.clock = n_episodes, log_every_s, clock
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self._start = self._line_time = clock()
+        self._done = self._successes = 0
+
+    def episodes(self) -> Iterable[int]:
+        if self.terminal:
+            return tqdm(range(self.n_episodes), desc="evaluation", unit="episode", file=sys.stdout)
+        return range(self.n_episodes)
+
+    def episode_done(self, success: bool) -> None:
+        self._done += 1
+        self._successes += int(success)
+        now = self.clock()
+        if not self.terminal and (self._done == self.n_episodes or now - self._line_time >= self.log_every_s):
+            per_episode = (now - self._start) / self._done
+            eta = timedelta(seconds=round(per_episode * (self.n_episodes - self._done)))
+            print(f"evaluation episode {self._done}/{self.n_episodes} | successes {self._successes} | "
+                  f"{per_episode:.1f} s/episode | ETA {eta}", flush=True)
+            self._line_time = now
 
 
 def _rollout(
@@ -278,6 +315,7 @@ def evaluate_run(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
     video_dir = output_dir / "eval" / "videos" if cfg.eval.n_video_episodes > 0 else None
     result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
                              video_dir=video_dir, n_video_episodes=cfg.eval.n_video_episodes,
+                             log_every_s=cfg.logging.log_every_s,
                              device="cuda" if torch.cuda.is_available() and not cfg.accelerator.cpu else "cpu")
     write_json(output_dir / "eval_info.json", result)
     print(f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/{result['n_episodes']}), "

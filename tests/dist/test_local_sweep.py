@@ -87,6 +87,7 @@ def test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run(layout_run: Cal
         train_config = json.loads((run_dir / "train_config.json").read_text())
         assert train_config["output_dir"] == str(run_dir)
         assert train_config["logging"]["wandb"]["group"] == str(sweep_dir)  # one wandb group per sweep
+        assert train_config["trackio"]["group"] == str(sweep_dir)  # and one trackio group
         assert (run_dir / "config.yaml").is_file() and _last_step(run_dir) == 6
         assert [s.start.kind for s in read_ledger(run_dir).segments] == ["start"]
         # Nothing of an earlier point leaked into this one: it is the standalone run, bit for bit.
