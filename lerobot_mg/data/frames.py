@@ -61,15 +61,28 @@ class FrameStore:
 
         with cache.entry(cache.cache_root(root), name, key, build) as folder:
             self.folder = folder
-            self.numeric: dict[str, np.ndarray] = {}
-            self.binary: dict[str, pa.Array] = {}  # image PNG bytes and strings, one value per frame
-            for column in columns:
-                if self._kind(column) == "numeric":
-                    self.numeric[column] = np.load(folder / f"{column}.npy", mmap_mode="r")
-                else:
-                    self.binary[column] = _read_arrow(folder / f"{column}.arrow")
-            episodes = np.load(folder / "episodes.npy", mmap_mode="r")
-            self.episode_index, self.episode_row, self.episode_length = (np.array(row) for row in episodes)
+            self._map()
+        # The build's column buffers go back to the system, not to the Arrow allocator's reserve.
+        pa.default_memory_pool().release_unused()
+
+    def _map(self) -> None:
+        self.numeric: dict[str, np.ndarray] = {}
+        self.binary: dict[str, pa.Array] = {}  # image PNG bytes and strings, one value per frame
+        for column in self.columns:
+            if self._kind(column) == "numeric":
+                self.numeric[column] = np.load(self.folder / f"{column}.npy", mmap_mode="r")
+            else:
+                self.binary[column] = _read_arrow(self.folder / f"{column}.arrow")
+        episodes = np.load(self.folder / "episodes.npy", mmap_mode="r")
+        self.episode_index, self.episode_row, self.episode_length = (np.array(row) for row in episodes)
+
+    def __getstate__(self) -> dict:
+        # A spawned DataLoader worker maps the same files again rather than receiving a copy of the columns.
+        return {"root": self.root, "features": self.features, "columns": self.columns, "folder": self.folder}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._map()
 
     def _kind(self, column: str) -> str:
         dtype = self.features[column]["dtype"]

@@ -177,9 +177,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._first = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
         self._shift = rows - self._first
         self.num_frames = int(lengths.sum())
-        self._numeric = self._frames.numeric
-        self._images = {key: self._frames.binary[key] for key in columns if self.features[key]["dtype"] == "image"}
-        self._strings = {key: self._frames.binary[key] for key in columns if self.features[key]["dtype"] == "string"}
+        self._share_columns()
 
         # Per selected episode (in the order of its frames) and video key read: the mp4's chunk and file, and the
         # episode's start time inside that file.
@@ -191,6 +189,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
                        for name in ("chunk_index", "file_index", "from_timestamp"))
             for key in self.video_keys
         }
+
+    def _share_columns(self) -> None:
+        """The memory-mapped columns, by kind (views of the frame store's, never pickled themselves)."""
+        self._numeric = self._frames.numeric
+        kinds = {key: self.features[key]["dtype"] for key in self._frames.binary}
+        self._images = {key: values for key, values in self._frames.binary.items() if kinds[key] == "image"}
+        self._strings = {key: values for key, values in self._frames.binary.items() if kinds[key] == "string"}
 
     def _video_location(self, key: str, episode: int) -> tuple[Path, float]:
         """(mp4 path, start time inside it) of ``episode`` (position among the selected ones) for camera ``key``."""
@@ -329,4 +334,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_video_reader"] = VideoFrameReader()
         state["_decode_pool"] = None  # threads do not cross a process boundary either
+        for name in ("_numeric", "_images", "_strings"):  # the frame store maps its files again on the other side
+            del state[name]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._share_columns()
