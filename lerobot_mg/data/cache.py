@@ -128,3 +128,11 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
             finally:
                 shutil.rmtree(building, ignore_errors=True)
         yield folder
+
+
+def remove(path: Path) -> None:
+    """Remove an entry or its lock file (best effort: another process may be removing it too)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -176,6 +176,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._length = lengths
         self._first = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
         self._shift = rows - self._first
+        self.cache_dir = self._frames.folder.parent  # this dataset's cache folder (lerobot_mg.data.cache)
         self.num_frames = int(lengths.sum())
         self._share_columns()
 
