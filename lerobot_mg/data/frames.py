@@ -70,7 +70,8 @@ class FrameStore:
         self.binary: dict[str, pa.Array] = {}  # image PNG bytes and strings, one value per frame
         for column in self.columns:
             if self._kind(column) == "numeric":
-                self.numeric[column] = np.load(self.folder / f"{column}.npy", mmap_mode="r")
+                # A plain ndarray view of the map: np.memmap's own indexing is several times slower per item.
+                self.numeric[column] = np.load(self.folder / f"{column}.npy", mmap_mode="r").view(np.ndarray)
             else:
                 self.binary[column] = _read_arrow(self.folder / f"{column}.arrow")
         episodes = np.load(self.folder / "episodes.npy", mmap_mode="r")

@@ -283,18 +283,19 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if not 0 <= idx < self.num_frames:
             raise IndexError(f"index {idx} is out of range for a dataset of {self.num_frames} frames.")
         item: dict[str, torch.Tensor | str] = {}
-        episode = int(np.searchsorted(self._first, idx, side="right")) - 1
-        start, shift = int(self._first[episode]), int(self._shift[episode])
-        end = start + int(self._length[episode])
-        row = idx + shift  # the frame's row in the cache
+        episode = int(self._first.searchsorted(idx, side="right")) - 1
+        shift = int(self._shift[episode])
+        row = idx + shift  # the frame's row in the cache, and its episode's rows: first..last
+        first = int(self._first[episode]) + shift
+        last = first + int(self._length[episode]) - 1
         rows_by_key: dict[str, np.ndarray | int] = {}
         for key, offsets in self.delta_indices.items():
-            query = idx + offsets
-            rows_by_key[key] = np.clip(query, start, end - 1) + shift
-            item[f"{key}_is_pad"] = torch.from_numpy((query < start) | (query >= end))
+            query = row + offsets
+            rows_by_key[key] = query.clip(first, last)
+            item[f"{key}_is_pad"] = torch.from_numpy((query < first) | (query > last))
 
         for key, values in self._numeric.items():
-            tensor = torch.tensor(np.asarray(values[rows_by_key.get(key, row)]))
+            tensor = torch.tensor(values[rows_by_key.get(key, row)])
             item[key] = tensor.float() if tensor.is_floating_point() else tensor
         for key, values in self._strings.items():
             item[key] = values[row].as_py()
