@@ -9,6 +9,7 @@ of row ranges of the entry, one per episode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +45,11 @@ def _read_arrow(path: Path) -> pa.Array:
 
 
 class FrameStore:
-    """The columns ``columns`` of the frames in ``data_paths``, memory-mapped; ``features`` gives their dtypes."""
+    """The columns ``columns`` of the frames in ``data_paths``, memory-mapped; ``features`` gives their dtypes and
+    ``lengths()`` the episodes table's frames per episode (read only when the entry is built)."""
 
     def __init__(self, root: Path, fingerprint: str, features: dict[str, dict], columns: list[str],
-                 data_paths: list[Path], lengths: dict[int, int]) -> None:
+                 data_paths: list[Path], lengths: Callable[[], dict[int, int]]) -> None:
         self.root = root
         self.features = features
         self.columns = columns
@@ -57,7 +59,7 @@ class FrameStore:
         name = f"frames-{cache.digest({'columns': sorted(columns), 'files': [f['path'] for f in files]})}"
 
         def build(folder: Path) -> None:
-            self._build(folder, data_paths, lengths)
+            self._build(folder, data_paths, lengths())
 
         with cache.entry(cache.cache_root(root), name, key, build) as folder:
             self.folder = folder

@@ -159,13 +159,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
         """Map the cache entry of the columns read (built on the first start) and lay out the selected episodes:
         ``_first[e]``, ``_length[e]``: dataset index of episode ``e``'s first frame and its frames; ``_shift[e]``:
         row of that frame in the cache minus the dataset index (frames of one episode are consecutive rows)."""
-        data_files = sorted(set(zip(episodes_table.column("data/chunk_index").to_pylist(),
-                                    episodes_table.column("data/file_index").to_pylist())))
+        data_files = np.unique(np.stack([episodes_table.column("data/chunk_index").to_numpy(),
+                                         episodes_table.column("data/file_index").to_numpy()], axis=1), axis=0).tolist()
         data_template = self.info.get("data_path", DATA_PATH)
         data_paths = [self.root / data_template.format(chunk_index=chunk, file_index=file) for chunk, file in data_files]
         columns = self._check_data_files(data_paths)
-        all_lengths = self.meta.lengths()
-        self._frames = FrameStore(self.root, self.meta.fingerprint, self.features, columns, data_paths, all_lengths)
+        self._frames = FrameStore(self.root, self.meta.fingerprint, self.features, columns, data_paths,
+                                  self.meta.lengths)
         rows, lengths = self._frames.rows_of(self.episode_indices)
         in_row_order = self._frames.episode_index[np.searchsorted(self._frames.episode_row, rows)]
         missing = sorted(set(self.episode_indices) - set(in_row_order.tolist()))
