@@ -7,8 +7,9 @@ dataset and machine as plain files (numpy ``.npy``, Arrow IPC) and memory-mapped
 one copy that every rank and worker of the machine shares.
 
 Where: ``<dataset root>/.lerobot_mg_cache`` when the dataset's folder is writable, else
-``$LEROBOT_MG_CACHE/dataset_cache/<hash of the dataset's path>`` (``$LEROBOT_MG_CACHE`` defaults to
-``~/.cache/lerobot_mg``). Deleting the folder is always safe: the next start writes it again.
+``$LEROBOT_MG_CACHE/dataset_cache/<dataset name>-<hash of its path>`` (``$LEROBOT_MG_CACHE`` defaults to
+``~/.cache/lerobot_mg``); a dataset shipped inside the package (the PushT slice) always takes the latter: the
+installed package's files are the installer's, and the next install would remove a cache written among them. Deleting the folder is always safe: the next start writes it again.
 
 Each entry is a folder with a ``manifest.json`` that records what it was built from (its key: the dataset's
 fingerprint, the columns, the data files' sizes and modification times) and the size of every file in it. Entries
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 CACHE_DIRNAME = ".lerobot_mg_cache"
+_PACKAGE = Path(__file__).resolve().parents[1]
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -47,13 +49,14 @@ def user_cache_dir() -> Path:
 
 
 def cache_root(dataset_root: Path) -> Path:
-    """The cache folder of ``dataset_root``: next to the dataset when that folder is writable, else under the user
-    cache folder (created)."""
+    """The cache folder of ``dataset_root`` (created): next to the dataset when that folder is writable and not part
+    of the installed package, else under the user cache folder."""
     dataset_root = Path(dataset_root).resolve()
     local = dataset_root / CACHE_DIRNAME
-    if local.is_dir() and os.access(local, os.W_OK):
+    shipped = _PACKAGE in dataset_root.parents
+    if not shipped and local.is_dir() and os.access(local, os.W_OK):
         return local
-    if os.access(dataset_root, os.W_OK):
+    if not shipped and os.access(dataset_root, os.W_OK):
         try:
             local.mkdir(exist_ok=True)
             return local

@@ -22,7 +22,7 @@ from lerobot_mg.data import sampler as sampler_module
 from lerobot_mg.data.cache import CACHE_DIRNAME, StaleCacheWarning
 from lerobot_mg.data.synthetic import write_state_dataset
 from tests.data_aids import TinyDataset
-from tests.launch_utils import REPO, clean_env
+from tests.launch_utils import PUSHT_SLICE, REPO, clean_env
 
 STATE = ["observation.state", "action"]
 CHUNK = {"action": [k / 50 for k in range(-2, 10)]}  # offsets both sides: pads at both episode edges
@@ -226,3 +226,11 @@ def test_private_memory_does_not_grow_with_the_dataset(tmp_path: Path) -> None:
     for measure in ("opened", "read"):
         per_frame = (added[400_000][measure] - added[100_000][measure]) / 300_000
         assert per_frame < MAX_BYTES_PER_FRAME, (measure, added, per_frame)
+
+
+def test_the_shipped_pusht_slice_caches_under_the_user_cache_folder(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEROBOT_MG_CACHE", str(tmp_path / "user_cache"))
+    dataset = LeRobotDataset(PUSHT_SLICE, keys=["observation.state", "action"])
+    assert dataset.cache_dir.parent == tmp_path / "user_cache" / "dataset_cache"
+    assert not (PUSHT_SLICE / CACHE_DIRNAME).exists()  # the package's files stay what the wheel ships
