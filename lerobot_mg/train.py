@@ -73,7 +73,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
     dataset = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), cfg.dataset.episodes,
                              keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
-    sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size)
+    sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
+                                     cache_dir=dataset.cache_dir)
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's
     preprocessor, postprocessor = processors_for(cfg.policy, policy, dataset.stats, saved_processors)
     preprocessor = preprocessor.to(accelerator.device)

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from lerobot_mg.data.frames import FrameStore
 from lerobot_mg.data.meta import (
     DATA_PATH,
     DEFAULT_FEATURES,
@@ -50,18 +50,6 @@ from lerobot_mg.data.meta import (
 )
 from lerobot_mg.data.video import VideoFrameReader, video_frame_count
 from lerobot_mg.errors import ConfigError, config_error
-
-
-def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
-    """``(N, *shape)`` array from a scalar or (nested, fixed or variable size) list column."""
-    array = column.combine_chunks()
-    while (
-        pa.types.is_list(array.type)
-        or pa.types.is_fixed_size_list(array.type)
-        or pa.types.is_large_list(array.type)
-    ):
-        array = array.flatten()
-    return array.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
 
 
 def _decode_png(data: bytes) -> np.ndarray:
@@ -118,7 +106,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.episode_indices: list[int] = episodes_table.column("episode_index").to_pylist()
         self.num_episodes = len(self.episode_indices)
         self._load_frames(episodes_table)
-        self._check_videos(episodes_table)
+        self._check_videos()
         self._video_reader = VideoFrameReader()
         # Cameras decode in parallel threads (PyAV releases the GIL while it decodes); one thread per camera.
         self._decode_pool: ThreadPoolExecutor | None = None
@@ -168,90 +156,54 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return dict(zip(table.column("task_index").to_pylist(), tasks))
 
     def _load_frames(self, episodes_table: pa.Table) -> None:
-        data_files = sorted(
-            set(
-                zip(
-                    episodes_table.column("data/chunk_index").to_pylist(),
-                    episodes_table.column("data/file_index").to_pylist(),
-                )
-            )
-        )
+        """Map the cache entry of the columns read (built on the first start) and lay out the selected episodes:
+        ``_first[e]``, ``_length[e]``: dataset index of episode ``e``'s first frame and its frames; ``_shift[e]``:
+        row of that frame in the cache minus the dataset index (frames of one episode are consecutive rows)."""
+        data_files = np.unique(np.stack([episodes_table.column("data/chunk_index").to_numpy(),
+                                         episodes_table.column("data/file_index").to_numpy()], axis=1), axis=0).tolist()
         data_template = self.info.get("data_path", DATA_PATH)
         data_paths = [self.root / data_template.format(chunk_index=chunk, file_index=file) for chunk, file in data_files]
         columns = self._check_data_files(data_paths)
-        wanted = pa.array(self.episode_indices, type=pa.int64())
-        tables = []
-        for path in data_paths:
-            table = pq.read_table(path, columns=columns)  # an unread camera's PNG bytes stay on disk
-            tables.append(table.filter(pc.is_in(table.column("episode_index"), value_set=wanted)))
-        table = pa.concat_tables(tables, promote_options="permissive")
-        table = table.take(pc.sort_indices(table.column("index")))
-        self.num_frames = table.num_rows
+        self._frames = FrameStore(self.root, self.meta.fingerprint, self.features, columns, data_paths,
+                                  self.meta.lengths)
+        rows, lengths = self._frames.rows_of(self.episode_indices)
+        in_row_order = self._frames.episode_index[np.searchsorted(self._frames.episode_row, rows)]
+        missing = sorted(set(self.episode_indices) - set(in_row_order.tolist()))
+        if missing:
+            raise ConfigError(f"{self.root}: episodes {missing[:10]} have no frames in the data files the episodes "
+                              f"table places them in; the dataset is inconsistent. Fix: {REDOWNLOAD_ADVICE}.")
+        self._episode_order = in_row_order  # episode index of each selected episode, in the order of its frames
+        self._length = lengths
+        self._first = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+        self._shift = rows - self._first
+        self.cache_dir = self._frames.folder.parent  # this dataset's cache folder (lerobot_mg.data.cache)
+        self.num_frames = int(lengths.sum())
+        self._share_columns()
 
-        self._numeric: dict[str, np.ndarray] = {}
-        self._images: dict[str, pa.BinaryArray] = {}
-        self._strings: dict[str, list[str]] = {}
-        for key in columns:
-            dtype = self.features[key]["dtype"]
-            if dtype == "image":
-                images = table.column(key).combine_chunks().field("bytes")
-                if images.null_count:
-                    raise ConfigError(
-                        f"{self.root}: {images.null_count} frames of image feature {key!r} have no embedded "
-                        "bytes; this reader needs images embedded in the parquet files. Fix: embed the images "
-                        "(LeRobot's writer does) or leave the feature out of policy.observation_keys."
-                    )
-                self._images[key] = images
-            elif dtype == "string":
-                self._strings[key] = table.column(key).to_pylist()
-            else:
-                # Default features are scalars per frame; others keep their declared shape.
-                shape = () if key in DEFAULT_FEATURES else tuple(self.features[key]["shape"])
-                self._numeric[key] = _column_to_numpy(table.column(key), shape)
+        # Per selected episode (in the order of its frames) and video key read: the mp4's chunk and file, and the
+        # episode's start time inside that file.
+        table_index = episodes_table.column("episode_index").to_numpy()
+        position = np.searchsorted(table_index, in_row_order)
+        self._video_template = self.info.get("video_path") or VIDEO_PATH
+        self._video_locations: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {
+            key: tuple(episodes_table.column(f"videos/{key}/{name}").to_numpy()[position]
+                       for name in ("chunk_index", "file_index", "from_timestamp"))
+            for key in self.video_keys
+        }
 
-        episode_index = self._numeric["episode_index"]
-        is_first = np.r_[True, episode_index[1:] != episode_index[:-1]]
-        starts = np.flatnonzero(is_first)
-        ends = np.r_[starts[1:], self.num_frames]
-        lengths = dict(
-            zip(
-                episodes_table.column("episode_index").to_pylist(),
-                episodes_table.column("length").to_pylist(),
-            )
-        )
-        for start, end in zip(starts, ends):
-            episode = int(episode_index[start])
-            if lengths.get(episode) != end - start:
-                raise ConfigError(
-                    f"{self.root}: episode {episode} has {end - start} frames in the data files but length "
-                    f"{lengths.get(episode)} in the episodes table; the dataset is inconsistent. Fix: {REDOWNLOAD_ADVICE}."
-                )
-        self._episode_start = np.repeat(starts, ends - starts)
-        self._episode_end = np.repeat(ends, ends - starts)
+    def _share_columns(self) -> None:
+        """The memory-mapped columns, by kind (views of the frame store's, never pickled themselves)."""
+        self._numeric = self._frames.numeric
+        kinds = {key: self.features[key]["dtype"] for key in self._frames.binary}
+        self._images = {key: values for key, values in self._frames.binary.items() if kinds[key] == "image"}
+        self._strings = {key: values for key, values in self._frames.binary.items() if kinds[key] == "string"}
 
-        # Per episode and video key read: (mp4 path, the episode's start time inside that file).
-        video_template = self.info.get("video_path") or VIDEO_PATH
-        self._video_locations: dict[int, dict[str, tuple[Path, float]]] = {}
-        for row in episodes_table.select(
-            ["episode_index"]
-            + [
-                f"videos/{key}/{name}"
-                for key in self.video_keys
-                for name in ("chunk_index", "file_index", "from_timestamp")
-            ]
-        ).to_pylist():
-            self._video_locations[row["episode_index"]] = {
-                key: (
-                    self.root
-                    / video_template.format(
-                        video_key=key,
-                        chunk_index=row[f"videos/{key}/chunk_index"],
-                        file_index=row[f"videos/{key}/file_index"],
-                    ),
-                    float(row[f"videos/{key}/from_timestamp"]),
-                )
-                for key in self.video_keys
-            }
+    def _video_location(self, key: str, episode: int) -> tuple[Path, float]:
+        """(mp4 path, start time inside it) of ``episode`` (position among the selected ones) for camera ``key``."""
+        chunk, file, from_timestamp = self._video_locations[key]
+        path = self.root / self._video_template.format(video_key=key, chunk_index=int(chunk[episode]),
+                                                       file_index=int(file[episode]))
+        return path, float(from_timestamp[episode])
 
     def _check_data_files(self, paths: list[Path]) -> list[str]:
         """The data columns to read; raises unless every file exists with a column per non-video feature of
@@ -273,14 +225,15 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 )
         return [key for key in self.read_keys if key in expected]
 
-    def _check_videos(self, episodes_table: pa.Table) -> None:
+    def _check_videos(self) -> None:
         """Every video file read exists and holds the frames the episodes table places in it (from its header)."""
         needed: dict[Path, tuple[float, int]] = {}  # path -> (end time in the file, the episode that ends there)
-        for row in episodes_table.select(["episode_index", "length"]).to_pylist():
-            for path, from_timestamp in self._video_locations[row["episode_index"]].values():
-                end_s = from_timestamp + row["length"] / self.fps
+        for key in self.video_keys:
+            for position, (episode, length) in enumerate(zip(self._episode_order.tolist(), self._length.tolist())):
+                path, from_timestamp = self._video_location(key, position)
+                end_s = from_timestamp + length / self.fps
                 if end_s > needed.get(path, (-1.0, 0))[0]:
-                    needed[path] = (end_s, row["episode_index"])
+                    needed[path] = (end_s, episode)
         for path, (end_s, episode) in needed.items():
             if not path.is_file():
                 raise ConfigError(
@@ -330,31 +283,34 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if not 0 <= idx < self.num_frames:
             raise IndexError(f"index {idx} is out of range for a dataset of {self.num_frames} frames.")
         item: dict[str, torch.Tensor | str] = {}
+        episode = int(self._first.searchsorted(idx, side="right")) - 1
+        shift = int(self._shift[episode])
+        row = idx + shift  # the frame's row in the cache, and its episode's rows: first..last
+        first = int(self._first[episode]) + shift
+        last = first + int(self._length[episode]) - 1
         rows_by_key: dict[str, np.ndarray | int] = {}
         for key, offsets in self.delta_indices.items():
-            start, end = self._episode_start[idx], self._episode_end[idx]
-            query = idx + offsets
-            rows_by_key[key] = np.clip(query, start, end - 1)
-            item[f"{key}_is_pad"] = torch.from_numpy((query < start) | (query >= end))
+            query = row + offsets
+            rows_by_key[key] = query.clip(first, last)
+            item[f"{key}_is_pad"] = torch.from_numpy((query < first) | (query > last))
 
         for key, values in self._numeric.items():
-            tensor = torch.tensor(values[rows_by_key.get(key, idx)])
+            tensor = torch.tensor(values[rows_by_key.get(key, row)])
             item[key] = tensor.float() if tensor.is_floating_point() else tensor
         for key, values in self._strings.items():
-            item[key] = values[idx]
+            item[key] = values[row].as_py()
         for key, images in self._images.items():
             rows = rows_by_key.get(key)
-            frame_rows = np.atleast_1d(idx if rows is None else rows)
-            frames = _visual_tensor(np.stack([_decode_png(images[int(row)].as_py()) for row in frame_rows]),
+            frame_rows = np.atleast_1d(row if rows is None else rows)
+            frames = _visual_tensor(np.stack([_decode_png(images[int(r)].as_py()) for r in frame_rows]),
                                     self.uint8_visuals)
             item[key] = frames[0] if rows is None else frames
         if self.video_keys:
-            locations = self._video_locations[int(self._numeric["episode_index"][idx])]
 
             def decode(key: str) -> torch.Tensor:
                 rows = rows_by_key.get(key)
-                frame_rows = np.atleast_1d(idx if rows is None else rows)
-                path, from_timestamp = locations[key]
+                frame_rows = np.atleast_1d(row if rows is None else rows)
+                path, from_timestamp = self._video_location(key, episode)
                 timestamps = [from_timestamp + float(t) for t in self._numeric["timestamp"][frame_rows]]
                 frames = _visual_tensor(self._video_reader.decode(path, timestamps, self.tolerance_s),
                                         self.uint8_visuals)
@@ -368,7 +324,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     self._decode_pool = ThreadPoolExecutor(len(self.video_keys), thread_name_prefix="decode")
                     self._decode_pool_pid = os.getpid()
                 item.update(zip(self.video_keys, self._decode_pool.map(decode, self.video_keys)))
-        item["task"] = self._task_names[int(self._numeric["task_index"][idx])]
+        item["task"] = self._task_names[int(self._numeric["task_index"][row])]
         return item
 
     def fingerprint(self) -> str:
@@ -380,4 +336,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_video_reader"] = VideoFrameReader()
         state["_decode_pool"] = None  # threads do not cross a process boundary either
+        for name in ("_numeric", "_images", "_strings"):  # the frame store maps its files again on the other side
+            del state[name]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._share_columns()

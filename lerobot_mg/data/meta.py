@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from lerobot_mg.data import cache
 from lerobot_mg.errors import ConfigError, config_error
 
 CODEBASE_VERSION = "v3.0"
@@ -71,7 +72,8 @@ class DatasetMeta:
 
     root: Path
     info: dict[str, Any]
-    # One row per episode, sorted by episode_index, without the per-episode stats columns (large, unused here).
+    # One row per episode, sorted by episode_index, without the per-episode stats columns (large, unused here);
+    # memory-mapped from the dataset cache.
     episodes: pa.Table
     # Short stable hash of the dataset revision on disk (not of an episode selection): info.json, stats.json and
     # the episodes table by content, the data and video files by name and size.
@@ -101,17 +103,30 @@ class DatasetMeta:
         if not paths:
             raise ConfigError(f"no episodes table under {root / EPISODES_DIR}; the dataset is incomplete. "
                               f"Fix: {REDOWNLOAD_ADVICE}.")
-        tables = []
-        for path in paths:
-            buffer = pa.BufferReader(read_bytes(path))
-            names = [name for name in pq.read_schema(buffer).names if not name.startswith("stats/")]
-            tables.append(pq.read_table(buffer, columns=names))
-        episodes = pa.concat_tables(tables, promote_options="permissive").sort_by("episode_index")
+        blobs = [read_bytes(path) for path in paths]
         media = sorted((root / "data").glob("chunk-*/file-*.parquet")) + sorted(
             (root / "videos").glob("*/chunk-*/file-*.mp4"))
         for path in media:
             digest.update(f"{path.relative_to(root).as_posix()}:{path.stat().st_size}".encode())
-        return cls(root, info, episodes, digest.hexdigest()[:16])
+        fingerprint = digest.hexdigest()[:16]
+
+        def build(folder: Path) -> None:
+            tables = []
+            for blob in blobs:
+                buffer = pa.BufferReader(blob)
+                names = [name for name in pq.read_schema(buffer).names if not name.startswith("stats/")]
+                tables.append(pq.read_table(buffer, columns=names))
+            table = pa.concat_tables(tables, promote_options="permissive").sort_by("episode_index")
+            with pa.OSFile(str(folder / "episodes.arrow"), "wb") as sink:
+                with pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table)
+
+        # Memory-mapped from the dataset cache: the ranks of a machine share one copy of the table.
+        with cache.entry(cache.cache_root(root), "episodes", {"fingerprint": fingerprint}, build) as folder:
+            episodes = pa.ipc.open_file(pa.memory_map(str(folder / "episodes.arrow"))).read_all()
+        blobs.clear()
+        pa.default_memory_pool().release_unused()
+        return cls(root, info, episodes, fingerprint)
 
     @property
     def features(self) -> dict[str, dict[str, Any]]:

@@ -5,16 +5,24 @@ the *global* stream. Loop step ``k`` of an epoch consumes the window of ``G = ba
 world_size`` positions starting at ``offset + k * G``, and rank ``r`` takes the ``r``-th contiguous
 ``batch_size`` slice of it. Two runs with the same ``G`` therefore see the same global batches
 whatever their split into (batch_size, world_size), and the saved state is just (epoch, offset).
+
+Every rank of a run draws the same permutation; for a large dataset (``MAP_PERMUTATION_FROM`` samples or more,
+given a ``cache_dir``) it is written once per machine into the dataset cache (``lerobot_mg.data.cache``) and
+memory-mapped, so that the ranks of a node share one copy instead of holding 8 bytes a sample each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from lerobot_mg.data import cache
 from lerobot_mg.errors import ConfigError, config_error
+
+MAP_PERMUTATION_FROM = 1 << 20  # samples: below, a permutation (8 MiB at most) stays in the rank's memory
 
 
 def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         shuffle: bool = True,
+        cache_dir: Path | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r}: must be at least 1. Fix: batch_size=8")
@@ -69,6 +78,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         self.shuffle = shuffle
+        self.cache_dir = cache_dir if cache_dir is not None and num_samples >= MAP_PERMUTATION_FROM else None
         self.global_batch_size = global_batch_size
         self.num_steps_per_epoch = num_samples // global_batch_size
         self.epoch = 0
@@ -79,17 +89,36 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     def permutation(self, epoch: int) -> torch.Tensor:
         """The global order of sample indices for ``epoch``, a function of (seed, epoch) only."""
         if self._cached_epoch != epoch:
-            if self.shuffle:
-                # SeedSequence mixes (seed, epoch) so that e.g. (0, 1) and (1, 0) give unrelated streams.
-                mixed_seed = int(
-                    np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0]
-                )
-                generator = torch.Generator().manual_seed(mixed_seed)
-                self._cached_permutation = torch.randperm(self.num_samples, generator=generator)
-            else:
+            self._cached_permutation = torch.empty(0, dtype=torch.int64)  # the previous epoch's goes first
+            if not self.shuffle:
                 self._cached_permutation = torch.arange(self.num_samples)
+            elif self.cache_dir is None:
+                self._cached_permutation = self._draw(epoch)
+            else:
+                self._cached_permutation = self._mapped(epoch)
             self._cached_epoch = epoch
         return self._cached_permutation
+
+    def _draw(self, epoch: int) -> torch.Tensor:
+        # SeedSequence mixes (seed, epoch) so that e.g. (0, 1) and (1, 0) give unrelated streams.
+        mixed_seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0])
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(mixed_seed))
+
+    def _mapped(self, epoch: int) -> torch.Tensor:
+        """The permutation of ``epoch`` from the cache (drawn and written by the first rank of the machine to ask),
+        memory-mapped; entries of epochs two or more behind are removed."""
+        assert self.cache_dir is not None
+        prefix = f"permutation-s{self.seed}-n{self.num_samples}-e"
+        key = {"seed": self.seed, "epoch": epoch, "num_samples": self.num_samples}
+        with cache.entry(self.cache_dir, f"{prefix}{epoch}", key,
+                         lambda folder: np.save(folder / "permutation.npy", self._draw(epoch).numpy())) as folder:
+            # Copy-on-write: writable for torch, yet the pages stay the shared ones (nothing writes to them).
+            permutation = torch.from_numpy(np.load(folder / "permutation.npy", mmap_mode="c"))
+        for old in self.cache_dir.glob(f"{prefix}*"):
+            old_epoch = old.name[len(prefix):].split(".")[0]
+            if old_epoch.isdigit() and int(old_epoch) < epoch - 1:
+                cache.remove(old)
+        return permutation
 
     def _batch_at(self, epoch: int, window_start: int) -> list[int]:
         start = window_start + self.rank * self.batch_size
