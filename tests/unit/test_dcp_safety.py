@@ -177,7 +177,7 @@ def test_a_payload_in_a_tensor_item_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def _globals_in(path: Path) -> set[tuple[str, str]]:
+def globals_in(path: Path) -> set[tuple[str, str]]:
     """The globals a (trusted) pickle names, read without resolving any."""
     names: set[tuple[str, str]] = set()
 
@@ -200,7 +200,7 @@ def test_every_dtype_reads_the_same_through_the_allow_list(tmp_path: Path, dtype
     dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)  # checkpoint_id a Path: StorageMeta keeps a PosixPath
     ours, theirs = read_dcp_metadata(tmp_path), FileSystemReader(tmp_path).read_metadata()
     assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
-    assert _globals_in(tmp_path / ".metadata") <= set(METADATA_GLOBALS)
+    assert globals_in(tmp_path / ".metadata") <= set(METADATA_GLOBALS)
 
     loaded = {k: torch.zeros_like(v) for k, v in saved.items() if isinstance(v, torch.Tensor)}
     loaded["groups"] = [{"lr": 0.0, "betas": (0.0, 0.0)}]  # DCP loads into the structure it is given
