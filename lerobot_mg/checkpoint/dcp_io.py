@@ -11,6 +11,7 @@ once into a CPU buffer and copied. ``.metadata`` and byte items are read through
 :mod:`lerobot_mg.checkpoint.unpickle` (torch's reader would ``pickle.load`` them). The writer is torch's own, so
 torch's reader still reads every file.
 """
+
 from __future__ import annotations
 
 import io
