@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lerobot_mg import cli
 from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.checkpoint import unpickle
+from lerobot_mg.checkpoint.dcp_io import load_dcp
 from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,13 @@ _PROGRESS_MIN_BYTES = 512 * 2**20
 
 
 def read_dcp_metadata(dcp_dir: Path) -> Metadata:
+    """``dcp_dir/.metadata`` through the allow-list (a pickle naming anything else is refused, unrun)."""
     dcp_dir = Path(dcp_dir)
     if not (dcp_dir / ".metadata").is_file():
         raise ConfigError(f"{dcp_dir}: is not a DCP checkpoint directory (it has no .metadata file, which a save "
                           "writes last). Fix: checkpoint_dir=<a step directory saved completely, e.g. an earlier "
                           "step>")
-    return FileSystemReader(str(dcp_dir)).read_metadata()
+    return unpickle.read_dcp_metadata(dcp_dir)
 
 
 def dcp_tensor_specs(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -90,7 +91,8 @@ def read_dcp_tensors(dcp_dir: Path, show_progress: bool | None = None) -> dict[s
     checkpoints of at least 512 MiB.
     """
     dcp_dir = Path(dcp_dir)
-    specs = dcp_tensor_specs(read_dcp_metadata(dcp_dir))
+    metadata = read_dcp_metadata(dcp_dir)
+    specs = dcp_tensor_specs(metadata)
     total_bytes = sum(_tensor_nbytes(spec) for spec in specs.values())
     if show_progress is None:
         show_progress = total_bytes >= _PROGRESS_MIN_BYTES
@@ -104,7 +106,7 @@ def read_dcp_tensors(dcp_dir: Path, show_progress: bool | None = None) -> dict[s
             with warnings.catch_warnings():  # no process group is the point here, not a mistake
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 # A partial state dict reads only these keys' chunks from the shard files.
-                dcp.load(group, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+                load_dcp(group, dcp_dir, metadata, no_dist=True)
             tensors.update(group)
             bar.update(sum(_tensor_nbytes(specs[key]) for key in keys))
     return tensors

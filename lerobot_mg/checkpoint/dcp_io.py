@@ -1,32 +1,36 @@
-"""Reading DCP shards at file speed, without changing their format.
+"""Reading DCP shards at file speed, without changing their format, and without running a checkpoint's code.
 
 torch's ``FileSystemReader`` stores each tensor as a ``torch.save`` archive inside a ``.distcp`` file and loads it
 with ``torch.load`` into fresh memory, then copies it into the target tensor: two passes over every byte plus the
 archive's bookkeeping (6.4x a plain read of the same bytes, scripts/bench_dcp.py). :class:`InPlaceFileSystemReader`
-reads the same files: it reads the tensor's dtype, shape and strides from the archive's data.pkl (a restricted C
-unpickler; ``torch.load(map_location="meta")`` for anything it does not know), finds the data record in the zip
-directory, and ``readinto``s it straight into the target
-tensor when the target is a whole, contiguous CPU tensor of the stored dtype (the common case: a resume on the
-topology that saved). Anything else (a resharded slice, a GPU target, another dtype) is read once into a CPU buffer
-and copied. The writer is torch's own, so torch's reader (and ``lerobot-mg-convert-dcp``) still reads every file.
+reads the same files: it reads the tensor's dtype, shape and strides from the archive's data.pkl (a restricted
+unpickler, :mod:`lerobot_mg.checkpoint.unpickle`), finds the data record in the zip directory, and ``readinto``s it
+straight into the target tensor when the target is a whole, contiguous CPU tensor of the stored dtype (the common
+case: a resume on the topology that saved). Anything else (a resharded slice, a GPU target, another dtype) is read
+once into a CPU buffer and copied. ``.metadata`` and byte items are read through the allow-lists of
+:mod:`lerobot_mg.checkpoint.unpickle` (torch's reader would ``pickle.load`` them). The writer is torch's own, so
+torch's reader still reads every file.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import os
-import pickle
 import struct
-import warnings
 import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from lerobot_mg.checkpoint.unpickle import RefusedPickle, load_byte_item, read_dcp_metadata, tensor_layout
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header: 30 bytes, then name and extra field
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
@@ -83,52 +87,16 @@ class _Stored:
             s == e for s, e, d in zip(self.stride, reversed(stride), self.size, strict=True) if d != 1)
 
 
-def _storage_dtypes() -> dict[str, torch.dtype]:
-    """The typed storage class names torch.save pickles (FloatStorage, BFloat16Storage, ...) -> their dtype."""
-    with warnings.catch_warnings():  # reading `.dtype` of a TypedStorage class warns that TypedStorage is deprecated
-        warnings.simplefilter("ignore")
-        return {name: getattr(torch, name).dtype for name in dir(torch)
-                if name.endswith("Storage") and name not in ("Storage", "UntypedStorage", "TypedStorage")
-                and isinstance(getattr(torch, name), type) and isinstance(getattr(getattr(torch, name), "dtype", None),
-                                                                           torch.dtype)}
-
-
-_STORAGE_DTYPES = _storage_dtypes()
-
-
-class _TensorLayoutUnpickler(pickle.Unpickler):
-    """Reads the layout of a plain tensor from a ``torch.save`` archive's data.pkl with the C unpickler: only the
-    rebuild function, storage types and OrderedDict resolve, nothing runs. Anything else (a tensor subclass, a
-    format this code does not know) raises, and the caller asks torch.load instead."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return pid  # ("storage", storage type, key, location, numel)
-
-
-def _stored_tensor(archive: _Slice) -> _Stored:
+def _stored_tensor(archive: _Slice, path: str, key: str) -> _Stored:
     """The one storage record of a ``torch.save``d tensor (its offset in the archive and size) and its layout."""
     with zipfile.ZipFile(archive) as zf:
         infos = zf.infolist()
         records = [info for info in infos if info.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-            raise ValueError(f"expected one uncompressed storage record, found {[r.filename for r in records]}")
-        record = records[0]
         pickled = zf.read(next(info for info in infos if info.filename.endswith("/data.pkl")))
-    try:
-        (_, dtype, *_), offset, size, stride = _TensorLayoutUnpickler(io.BytesIO(pickled)).load()
-    except (pickle.UnpicklingError, TypeError, ValueError):
-        archive.seek(0)
-        meta = cast(torch.Tensor, torch.load(archive, map_location="meta", weights_only=True))
-        dtype, offset, size, stride = meta.dtype, meta.storage_offset(), tuple(meta.shape), meta.stride()
+    dtype, offset, size, stride = tensor_layout(pickled, archive, path, key)  # refuses a pickle of anything else
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"expected one uncompressed storage record, found {[r.filename for r in records]}")
+    record = records[0]
     archive.seek(record.header_offset)
     header = _LOCAL_HEADER.unpack(archive.read(_LOCAL_HEADER.size))
     if header[0] != _LOCAL_HEADER_SIGNATURE:
@@ -150,14 +118,45 @@ def _read_exact(file: IO[bytes], offset: int, target: torch.Tensor) -> None:
         done += count
 
 
+def _resaved(value: Any) -> io.BytesIO:
+    """``value`` (plain Python values and tensors, as a weights-only load returns them) as torch.save bytes: torch's
+    planner unpickles byte items without the weights-only restriction, and these can hold nothing else."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous CPU tensor's memory (numpy lacks some torch dtypes, uint8 covers them all)."""
     return tensor.reshape(-1).view(torch.uint8)
 
 
 class InPlaceFileSystemReader(FileSystemReader):
-    """torch's ``FileSystemReader`` with a ``read_data`` that reads tensors into their targets (see the module
-    docstring). Metadata, planning and byte items are torch's own."""
+    """torch's ``FileSystemReader`` that never runs a checkpoint's code and reads tensors into their targets (see
+    the module docstring). ``.metadata`` is read once through the allow-list of
+    :func:`lerobot_mg.checkpoint.unpickle.read_dcp_metadata` (or given as ``metadata``, already read so), so torch
+    never unpickles it; byte items are read with ``weights_only=True`` and handed to torch's planner re-saved from
+    those plain values; planning is torch's own."""
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+            self._metadata = None
+        super().reset(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise ValueError(f"{self.path}: per-rank metadata files (__<rank>.metadata) are not read by this reader")
+        if self._metadata is None:
+            self._metadata = read_dcp_metadata(self.path)
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -174,9 +173,12 @@ class InPlaceFileSystemReader(FileSystemReader):
                     archive = _Slice(cast(IO[bytes], file), info.offset, info.length)
                     try:
                         if item.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(item, io.BytesIO(archive.read()))
+                            planner.load_bytes(item, _resaved(load_byte_item(archive.read(), path,
+                                                                             item.storage_index.fqn)))
                         else:
-                            self._read_tensor(cast(IO[bytes], file), archive, info.offset, item, planner)
+                            self._read_tensor(cast(IO[bytes], file), archive, info.offset, item, planner, str(path))
+                    except RefusedPickle:
+                        raise
                     except Exception as error:  # say which file and entry: the archive error alone names neither
                         raise RuntimeError(f"{path}: cannot read {item.storage_index.fqn!r} at byte {info.offset:,} "
                                            f"({info.length:,} bytes): {error}") from error
@@ -185,8 +187,9 @@ class InPlaceFileSystemReader(FileSystemReader):
         return future
 
     @staticmethod
-    def _read_tensor(file: IO[bytes], archive: _Slice, base: int, item: ReadItem, planner: LoadPlanner) -> None:
-        stored = _stored_tensor(archive)
+    def _read_tensor(file: IO[bytes], archive: _Slice, base: int, item: ReadItem, planner: LoadPlanner,
+                     path: str) -> None:
+        stored = _stored_tensor(archive, path, item.storage_index.fqn)
         target = planner.resolve_tensor(item).detach()
         whole = list(item.storage_offsets) == [0] * len(stored.size) and tuple(item.lengths) == stored.size
         if (whole and target.device.type == "cpu" and target.dtype == stored.dtype and target.is_contiguous()
@@ -202,3 +205,44 @@ class InPlaceFileSystemReader(FileSystemReader):
                 raise AssertionError(f"{item.storage_index}: target {tuple(target.shape)} vs stored {tuple(tensor.shape)}")
             target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+def load_dcp(state: dict[str, Any], dcp_dir: Path, metadata: Metadata | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load`` of ``dcp_dir`` into ``state`` through :class:`InPlaceFileSystemReader`
+    (``metadata``: its .metadata, already read by ``read_dcp_metadata``). A refused pickle raises its one-line
+    :class:`RefusedPickle` on every rank, not torch's per-rank report of it (.metadata is read before torch's load
+    starts: torch would catch the refusal and look for per-rank metadata files instead)."""
+    if metadata is None:
+        metadata = read_dcp_metadata(dcp_dir)
+    try:
+        dcp.load(state, storage_reader=InPlaceFileSystemReader(dcp_dir, metadata), **kwargs)
+    except CheckpointException as error:
+        refusals = [failure[0] for failure in error.failures.values() if isinstance(failure[0], RefusedPickle)]
+        if refusals:
+            raise refusals[0] from None
+        raise
+
+
+def item_problems(dcp_dir: Path, metadata: Metadata) -> list[str]:
+    """Reads every item's pickle (not the tensor data): byte items through the weights-only load, tensor items'
+    layouts through the restricted unpickler. Raises :class:`RefusedPickle` on a pickle that names anything else;
+    returns the items that do not read (a damaged archive). The shard files must be whole (sizes checked)."""
+    by_file: dict[str, list[Any]] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
+    problems = []
+    for relative_path, entries in sorted(by_file.items()):
+        path = Path(dcp_dir) / relative_path
+        with open(path, "rb", buffering=0) as file:
+            for index, info in sorted(entries, key=lambda entry: entry[1].offset):
+                archive = _Slice(cast(IO[bytes], file), info.offset, info.length)
+                try:
+                    if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                        load_byte_item(archive.read(), path, index.fqn)
+                    else:
+                        _stored_tensor(archive, str(path), index.fqn)
+                except RefusedPickle:
+                    raise
+                except Exception as error:  # a damaged archive: BadZipFile, ValueError, RuntimeError...
+                    problems.append(f"{relative_path} (item {index.fqn!r} unreadable: {type(error).__name__})")
+    return problems

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.dcp_io import InPlaceFileSystemReader
+from lerobot_mg.checkpoint.dcp_io import load_dcp
 from lerobot_mg.checkpoint.state import (
     flatten_optimizer_state,
     read_json,
@@ -140,7 +140,7 @@ class CheckpointFiles:
         self._load_model(model, pretrained)
         if (training_state / L.OPTIMIZER_DCP_DIR).is_dir():
             osd = get_optimizer_state_dict(model, optimizer)
-            dcp.load(osd, storage_reader=InPlaceFileSystemReader(training_state / L.OPTIMIZER_DCP_DIR))
+            load_dcp(osd, training_state / L.OPTIMIZER_DCP_DIR)
             set_optimizer_state_dict(model, optimizer, osd)
         else:
             osd = unflatten_optimizer_state(
@@ -172,7 +172,7 @@ class CheckpointFiles:
         strict = self.adapter is None
         if (pretrained / L.MODEL_DCP_DIR).is_dir():
             state = self._model_state(model)
-            dcp.load(state, storage_reader=InPlaceFileSystemReader(pretrained / L.MODEL_DCP_DIR))
+            load_dcp(state, pretrained / L.MODEL_DCP_DIR)
             if self.adapter is not None:
                 state = self.adapter.to_model(state, pretrained / L.MODEL_DCP_DIR)
             set_model_state_dict(model, state, options=StateDictOptions(strict=strict))

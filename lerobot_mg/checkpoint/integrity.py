@@ -1,6 +1,7 @@
 """Whether a checkpoint's weight, optimizer and RNG files are whole, checked before a resume starts any process.
 
-Reads headers, DCP metadata and file sizes only: a missing, truncated or unreadable file is refused with a
+Reads headers, DCP metadata (through the allow-list of :mod:`lerobot_mg.checkpoint.unpickle`), each DCP item's
+pickle and file sizes, never the tensor data: a missing, truncated or unreadable file is refused with a
 ConfigError that names it and the remedy, before the run builds a model or joins a process group.
 training_step.json, the completion marker, is checked by :mod:`lerobot_mg.checkpoint.resume`, which calls this.
 """
@@ -11,9 +12,9 @@ import json
 import struct
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.checkpoint.dcp_io import item_problems
+from lerobot_mg.checkpoint.unpickle import RefusedPickle, read_dcp_metadata
 from lerobot_mg.errors import ConfigError
 
 
@@ -24,11 +25,15 @@ def earlier_checkpoint_fix(step_dir: Path) -> str:
 
 
 def dcp_problems(dcp_dir: Path) -> list[str]:
-    """Shard files the DCP metadata references that are missing or shorter than the data it places in them."""
+    """Shard files the DCP metadata references that are missing or shorter than the data it places in them, and
+    items whose pickle does not read. Raises ``RefusedPickle`` (a ``ConfigError``) when .metadata or an item's pickle
+    names anything a checkpoint never holds: nothing of it is run."""
     try:
-        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+        metadata = read_dcp_metadata(dcp_dir)
     except FileNotFoundError:
         return [".metadata (missing)"]
+    except RefusedPickle:
+        raise
     except Exception as error:  # a truncated pickle: EOFError, UnpicklingError, ...
         return [f".metadata (unreadable: {type(error).__name__})"]
     ends: dict[str, int] = {}
@@ -41,7 +46,7 @@ def dcp_problems(dcp_dir: Path) -> list[str]:
             problems.append(f"{name} (missing)")
         elif path.stat().st_size < end:
             problems.append(f"{name} (truncated: {path.stat().st_size:,} of {end:,} bytes)")
-    return problems
+    return problems or item_problems(dcp_dir, metadata)
 
 
 def safetensors_problem(path: Path) -> str | None:

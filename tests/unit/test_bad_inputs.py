@@ -13,10 +13,12 @@ under ``$HF_HOME``). docs/errors.md lists every row.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ from lerobot_mg.config.loading import (
 from lerobot_mg.distributed.device import precision_unsupported
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.preflight import preflight
+from lerobot_mg.run_facts import Progress
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, TRAIN_SCRIPT, clean_env, free_port, kill_tree
 
 VALID = ["experiment=pusht_debug", f"dataset.root={PUSHT_SLICE}"]
@@ -75,6 +78,29 @@ def _saved_act_run(tmp: Path) -> None:
     saved = tmp / "run" / "checkpoints" / "last" / "pretrained_model"
     saved.mkdir(parents=True)
     (saved / "train_config.json").write_text(json.dumps(train_config_to_dict(_run_config(VALID, 1))))
+
+
+class _Payload:
+    """Pickles as ``os.system("touch <tmp>/payload_ran")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _planted_dcp_checkpoint(tmp: Path) -> None:
+    """A complete-looking checkpoint.format=dcp checkpoint whose model .metadata is a pickle that runs a command."""
+    _saved_act_run(tmp)
+    step_dir = tmp / "run" / "checkpoints" / "last"
+    (step_dir / "training_state").mkdir()
+    (step_dir / "training_state" / "training_step.json").write_text(json.dumps({
+        "step": 4, "progress": asdict(Progress(step=4)), "sampler": {"epoch": 0, "position": 4},
+        "facts": {"topology": {"dp_replicate": 1, "dp_shard": 2, "world_size": 2}}}))
+    (step_dir / "pretrained_model" / "pytorch_model_fsdp_0").mkdir()
+    (step_dir / "pretrained_model" / "pytorch_model_fsdp_0" / ".metadata").write_bytes(
+        pickle.dumps(_Payload(tmp / "payload_ran")))
 
 
 def _non_empty_output_dir(tmp: Path) -> None:
@@ -162,6 +188,13 @@ CATALOGUE = [
              "<tmp>/run/checkpoints/last/training_state/training_step.json is missing: <tmp>/run/checkpoints/last is "
              "not a complete checkpoint",
              "resume from config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json", make=_saved_act_run),
+    BadInput("resume_a_checkpoint_that_would_run_code",
+             ["resume=true", "config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json"],
+             "<tmp>/run/checkpoints/last/pretrained_model/pytorch_model_fsdp_0/.metadata: refused to unpickle its "
+             "contents: it names posix.system, which a DCP checkpoint never holds and which could run code, so nothing "
+             "of it was loaded or run",
+             "use a checkpoint from a source you trust (or one whose weights are safetensors: lerobot-mg-convert-dcp on "
+             "a trusted machine writes them)", make=_planted_dcp_checkpoint),
     BadInput("config_path_without_resume", [*VALID, f"config_path={PUSHT_SLICE / 'meta' / 'info.json'}"],
              f"config_path='{PUSHT_SLICE / 'meta' / 'info.json'}': is only read when resuming",
              "resume=true, or remove config_path"),
