@@ -112,7 +112,8 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     saved = read_policy_config(path)
     if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(str(saved["type"])))
-    base = {f"policy.{name}": value for name, value in saved.items()}
+    # Where the base was published is not where its fine-tune goes: policy.repo_id / push_to_hub are this run's.
+    base = {f"policy.{name}": value for name, value in saved.items() if name not in ("repo_id", "push_to_hub")}
     for key, value in {**base, "policy.path": path, **kept}.items():
         OmegaConf.update(composed, key, value, merge=False)
     return composed
