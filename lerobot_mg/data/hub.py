@@ -155,3 +155,19 @@ def hub_write_refusal(env: Mapping[str, str] | None = None, when: str = "at the 
         return (f"no Hugging Face token is set (HF_TOKEN, or hf auth login), so the upload {when} would be refused",
                 f"hf auth login (or export HF_TOKEN=<a write token>), or {instead}")
     return None
+
+
+def resolve_policy_path(path: str) -> str:
+    """``policy.path``: a directory as given, or a Hub model repo id (``<user>/<name>``, as LeRobot accepts it)
+    resolved through huggingface_hub's own cache: the cached snapshot offline, else downloaded into that cache."""
+    if Path(path).exists() or not is_repo_id(path):
+        return path
+    try:
+        return snapshot_download(path, repo_type="model")
+    except Exception as error:  # not cached offline, no network, no such repo
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise config_error(
+            "policy.path", path, f"is no directory, and as a Hub model repo it could not be had ({reason})",
+            f"policy.path=<run>/checkpoints/<step or last>/pretrained_model, or fetch it while online: hf download "
+            f"{path}",
+        ) from error

@@ -127,6 +127,27 @@ def test_the_ranks_of_a_node_download_once_and_all_read_the_same_copy(tmp_path: 
     assert not (tmp_path / "lr" / "me" / "ds" / INCOMPLETE_MARKER).exists()
 
 
+def test_policy_path_as_a_hub_repo_id_reads_huggingface_hubs_cache_offline(tmp_path: Path) -> None:
+    """``policy.path=<user>/<name>``, as LeRobot accepts it: the snapshot huggingface_hub cached, found offline."""
+    repo = tmp_path / "hf" / "hub" / "models--me--base"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    script = ("from lerobot_mg.data.hub import resolve_policy_path as r\n"
+              "print(r('me/base'))\n"
+              "try:\n    r('me/absent')\nexcept Exception as e:\n    print(e)\n")
+    env = clean_env({"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run([PYTHON, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    found, refused = done.stdout.splitlines()[:2]
+    assert found == str(repo / "snapshots" / commit), done.stderr[-2000:]
+    assert refused.startswith("policy.path='me/absent': is no directory, and as a Hub model repo it could not be "
+                              "had (LocalEntryNotFoundError"), refused
+    assert refused.endswith("Fix: policy.path=<run>/checkpoints/<step or last>/pretrained_model, or fetch it while "
+                            "online: hf download me/absent")
+
+
 # --- the upload -------------------------------------------------------------------------------------------------
 
 def _pretrained(tmp_path: Path) -> Path:
