@@ -124,8 +124,8 @@ class RunFacts:
         start resumed differ by nature; the bytes per rank follow from the model and the topology."""
         compared = [f.name for f in fields(self) if f.name not in (
             "rank_bytes", "resumed_from", "continuation", "resume_cause")]
-        return tuple(FactChange(name, getattr(before, name), getattr(self, name)) for name in compared
-                     if getattr(before, name) != getattr(self, name))
+        return tuple(FactChange(name, _compared(before, name), _compared(self, name)) for name in compared
+                     if _compared(before, name) != _compared(self, name))
 
     def describe(self) -> list[str]:
         return [f"topology: {self.topology.describe()} (world size {self.topology.world_size})",
@@ -140,6 +140,14 @@ class RunFacts:
             return ""
         at = f"@{source['revision']}" if source.get("revision") else ""
         return f" ({source['repo_id']}{at}, {source['how']}: {source['root']})"
+
+
+def _compared(facts: RunFacts, name: str) -> Any:
+    """A fact as a resume compares it: how a dataset was found (downloaded, then cached) is no change."""
+    value = getattr(facts, name)
+    if name == "dataset_source" and value is not None:
+        return {key: item for key, item in value.items() if key != "how"}
+    return value
 
 
 def describe(value: Any) -> str:

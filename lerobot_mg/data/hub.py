@@ -35,6 +35,8 @@ INFO_FILE = Path("meta") / "info.json"
 # Present in a cache directory while a download into it is in progress: a copy with it is incomplete (a download that
 # was killed half-way), and is downloaded again (huggingface_hub keeps the files already complete).
 INCOMPLETE_MARKER = ".lerobot_mg_download_incomplete"
+# The commit a download fetched, written beside the files: a later start that finds the copy records the same revision.
+DOWNLOADED_COMMIT = ".lerobot_mg_commit"
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -105,7 +107,7 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
                            "dataset.repo_id=${HF_USER}/my_dataset")
     local_dir = lerobot_home(env) / cfg.repo_id
     if _is_complete(local_dir):  # LeRobot's cache, or a download of an earlier start
-        return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, "cache")
+        return _cached(local_dir, cfg)
     if hub_offline(env):
         raise config_error(
             "dataset.repo_id", cfg.repo_id,
@@ -116,9 +118,15 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
     local_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{local_dir}.lock"):  # one download per node; the other ranks wait here, then find it
         if _is_complete(local_dir):
-            return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, "cache")
+            return _cached(local_dir, cfg)
         commit = download_dataset(cfg.repo_id, cfg.revision, local_dir)
     return DatasetSource(str(local_dir), cfg.repo_id, commit, "download")
+
+
+def _cached(local_dir: Path, cfg: DatasetConfig) -> DatasetSource:
+    commit_file = local_dir / DOWNLOADED_COMMIT  # absent in a copy LeRobot downloaded: the revision asked for
+    revision = commit_file.read_text().strip() if commit_file.is_file() else cfg.revision
+    return DatasetSource(str(local_dir), cfg.repo_id, revision, "cache")
 
 
 def download_dataset(repo_id: str, revision: str | None, local_dir: Path) -> str:
@@ -139,6 +147,7 @@ def download_dataset(repo_id: str, revision: str | None, local_dir: Path) -> str
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         raise ConfigError(f"dataset.repo_id={repo_id!r}: {where}, and downloading it failed ({reason}). Fix: "
                           f"fetch it yourself: {fetch}, or dataset.root=<a local copy>") from error
+    (local_dir / DOWNLOADED_COMMIT).write_text(commit + "\n")
     (local_dir / INCOMPLETE_MARKER).unlink()
     return commit
 

@@ -125,6 +125,8 @@ def test_the_ranks_of_a_node_download_once_and_all_read_the_same_copy(tmp_path: 
     assert {source.root for source in sources} == {str(tmp_path / "lr" / "me" / "ds")}
     assert next(s for s in sources if s.how == "download").revision == "0123abcd"  # the commit, for the run facts
     assert not (tmp_path / "lr" / "me" / "ds" / INCOMPLETE_MARKER).exists()
+    # A later start finds the copy and records the same commit (a resume sees no change of revision).
+    assert resolve_dataset(cfg, env).revision == "0123abcd"
 
 
 def test_policy_path_as_a_hub_repo_id_reads_huggingface_hubs_cache_offline(tmp_path: Path) -> None:
