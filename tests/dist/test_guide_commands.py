@@ -118,7 +118,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def env_of(home: Path) -> dict[str, str]:
     env = clean_env({"HF_HUB_OFFLINE": "1", "HF_LEROBOT_HOME": str(home / "lerobot_home"),
-                     "HF_HOME": str(home / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"})
+                     "HF_HOME": str(home / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+                     "TRACKIO_DIR": str(home / "trackio")})  # --trackio.enable=true: its local store, here
     env.pop("HF_TOKEN", None)
     env.pop("HYDRA_FULL_ERROR")  # what a user sees: a user error is one line
     return env
