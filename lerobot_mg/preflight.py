@@ -22,6 +22,7 @@ from lerobot_mg.config.choices import DatasetName
 from lerobot_mg.config.loading import check_resume_request
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
+from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_dataset
 from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
 from lerobot_mg.distributed.env_guard import check_accelerate_env
@@ -41,6 +42,7 @@ class Preflight:
 
     dims: ParallelDims
     dataset: DatasetMeta  # meta/info.json and the episodes table, read once
+    dataset_source: DatasetSource  # where it was found (dataset.root, LeRobot's cache, or downloaded)
     resume: ResumePoint | None  # the checkpoint this start continues, or None for a new run
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
 
@@ -61,12 +63,15 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     check_device(cfg)
     check_trackers(cfg.trackio)
     check_finetune(cfg, dims.is_sharded)
-    dataset = check_dataset(cfg, dims.dp_world_size)
+    if on_this_machine:  # the machine that trains pushes (a submitting host's environment may differ)
+        check_publish(cfg, env)
+    source = resolve_dataset(cfg.dataset, env)  # a Hub dataset: downloaded once per node if not cached
+    dataset = check_dataset(cfg, dims.dp_world_size, Path(source.root))
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
     memory = plan_memory(cfg, dims, meta_policy(cfg, dataset))  # the wrap, checkpointing and compile units are chosen (and checked) here
     if on_this_machine and not cfg.plan:
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
-    return Preflight(dims, dataset, resume, memory)
+    return Preflight(dims, dataset, source, resume, memory)
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -111,13 +116,27 @@ def check_finetune(cfg: TrainConfig, sharded: bool) -> None:
         )
 
 
-def check_dataset(cfg: TrainConfig, dp_world_size: int) -> DatasetMeta:
+def check_publish(cfg: TrainConfig, env: Mapping[str, str] | None) -> None:
+    """``policy.repo_id`` publishes at the end of training: refuse now a run whose upload could never happen
+    (offline, no token), and one that keeps no final checkpoint to upload."""
+    if not cfg.policy.publishes:
+        return
+    refusal = hub_write_refusal(env)
+    if refusal is not None:
+        raise config_error("policy.repo_id", cfg.policy.repo_id, *refusal)
+    if not cfg.checkpoint.save_checkpoint:
+        raise config_error("policy.repo_id", cfg.policy.repo_id,
+                           "publishes the final checkpoint, which checkpoint.save_checkpoint=false never writes",
+                           "checkpoint.save_checkpoint=true, or policy.push_to_hub=false")
+
+
+def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> DatasetMeta:
     """The dataset's metadata against the policy and the batch: the version, the features the policy reads, episode
     lengths and the number of samples. Returns the metadata, read once."""
     fix = ("generate it first: lerobot-mg-make-dataset (or make train does it)"
            if cfg.dataset.name == DatasetName.embedded
            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>")
-    meta = DatasetMeta.read(Path(cfg.dataset.root), fix)
+    meta = DatasetMeta.read(root, fix)
     features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
     lengths = meta.lengths(cfg.dataset.episodes)
     chunk = len(cfg.policy.action_delta_indices)

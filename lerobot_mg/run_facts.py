@@ -99,11 +99,14 @@ class RunFacts:
     resumed_from: str | None = None  # the checkpoint this start resumed; None for a fresh start
     continuation: Continuation | None = None  # how exactly that resume continues the sample stream
     resume_cause: ResumeCause | None = None  # why it resumed
+    # Where the dataset was read: root (the resolved directory), repo_id, revision (asked for, or the commit this
+    # start downloaded) and how it was found (root | cache | download); lerobot_mg.data.hub.DatasetSource.
+    dataset_source: dict | None = None
 
     @classmethod
     def collect(cls, cfg: TrainConfig, dims: ParallelDims, *, dataset_fingerprint: str, lr_schedule: dict,
                 model: dict, rank_bytes: Sequence[dict], resumed: tuple[Path, RunFacts] | None,
-                resume_cause: ResumeCause | None) -> RunFacts:
+                resume_cause: ResumeCause | None, dataset_source: dict | None = None) -> RunFacts:
         """The facts of this start (the code revision is asked of git here, once per start); ``resumed``: the
         checkpoint this start continues and the facts of the start that wrote it."""
         batch = BatchArithmetic(cfg.batch_size, dims.dp_world_size, cfg.accelerator.gradient_accumulation.steps)
@@ -113,7 +116,7 @@ class RunFacts:
             dataset_fingerprint=dataset_fingerprint, lr_schedule=lr_schedule, model=model,
             rank_bytes=tuple(rank_bytes), resumed_from=None if resumed is None else str(resumed[0]),
             continuation=None if resumed is None else Continuation.of_resume(resumed[1].batch, batch),
-            resume_cause=None if resumed is None else resume_cause,
+            resume_cause=None if resumed is None else resume_cause, dataset_source=dataset_source,
         )
 
     def changes_since(self, before: RunFacts) -> tuple[FactChange, ...]:
@@ -121,15 +124,30 @@ class RunFacts:
         start resumed differ by nature; the bytes per rank follow from the model and the topology."""
         compared = [f.name for f in fields(self) if f.name not in (
             "rank_bytes", "resumed_from", "continuation", "resume_cause")]
-        return tuple(FactChange(name, getattr(before, name), getattr(self, name)) for name in compared
-                     if getattr(before, name) != getattr(self, name))
+        return tuple(FactChange(name, _compared(before, name), _compared(self, name)) for name in compared
+                     if _compared(before, name) != _compared(self, name))
 
     def describe(self) -> list[str]:
         return [f"topology: {self.topology.describe()} (world size {self.topology.world_size})",
                 f"batch: {self.batch.describe()}",
                 f"precision: {self.precision}  checkpoint format: {self.checkpoint_format}",
-                f"code: {self.code_revision.describe()}  dataset: {self.dataset_fingerprint}",
+                f"code: {self.code_revision.describe()}  dataset: {self.dataset_fingerprint}{self._source()}",
                 f"lr schedule: {describe(self.lr_schedule)}"]
+
+    def _source(self) -> str:
+        source = self.dataset_source
+        if not source or source.get("repo_id") is None:
+            return ""
+        at = f"@{source['revision']}" if source.get("revision") else ""
+        return f" ({source['repo_id']}{at}, {source['how']}: {source['root']})"
+
+
+def _compared(facts: RunFacts, name: str) -> Any:
+    """A fact as a resume compares it: how a dataset was found (downloaded, then cached) is no change."""
+    value = getattr(facts, name)
+    if name == "dataset_source" and value is not None:
+        return {key: item for key, item in value.items() if key != "how"}
+    return value
 
 
 def describe(value: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,9 @@ from torch import nn
 
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+
+# torch's warning when LRScheduler.step() runs before the optimizer's first step (torch/optim/lr_scheduler.py).
+_SCHEDULER_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
 @dataclass
@@ -80,7 +84,12 @@ class Stepper:
                 logs.skipped = acc.scaler.get_scale() < scale_before  # the scaler backs off exactly on a skip
         logs.lr = self.lr
         if self.scheduler is not None:
-            self.scheduler.step()  # once per loop step, whatever the process count
+            with warnings.catch_warnings():
+                # Stepped once per loop step on purpose (the guide's rule, said once in the banner): inside an
+                # accumulation window accelerate skips optimizer.step(), and torch warns that the schedule ran
+                # ahead of the optimizer. The lr each update uses is still the schedule's for its loop step.
+                warnings.filterwarnings("ignore", message=_SCHEDULER_BEFORE_OPTIMIZER, category=UserWarning)
+                self.scheduler.step()  # once per loop step, whatever the process count
         logs.losses = {"loss": float(loss.detach()), **{k: float(v) for k, v in policy_logs.items()}}
         return logs
 

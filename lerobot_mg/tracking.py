@@ -237,6 +237,8 @@ def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, out
     lines = [f"lerobot_mg train: {cfg.job_name} -> {output_dir}", *(f"  {line}" for line in facts.describe()),
              f"  steps: {cfg.steps} loop steps = {facts.batch.sample_presentations(cfg.steps)} sample presentations, "
              f"{facts.batch.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
+             "  note: the lr schedule is stepped once per loop step on purpose (the guide's rule); each optimizer "
+             "update uses the lr of its loop step",
              f"  policy: {cfg.policy.type} ({num_params:,} params, {num_trainable:,} trainable = "
              f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} ({len(dataset)} frames, "
              f"{dataset.num_episodes} episodes)",

@@ -23,6 +23,7 @@ from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
 from lerobot_mg.drills import fault_drill
+from lerobot_mg.launch.hub import publish_policy
 from lerobot_mg.launch.placement import record_placement
 from lerobot_mg.launch.preemption import PreemptionWatch
 from lerobot_mg.launch.run_dir import run_dir, save_run_configs
@@ -92,7 +93,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps),
         rank_bytes=gather_rank_bytes(policy),  # collective: every rank's parameter bytes
         resumed=None if resume is None else (resume.step_dir, resume.facts),
-        resume_cause=sweep_job.resume_cause if sweep_job is not None else ResumeCause.REQUESTED)
+        resume_cause=sweep_job.resume_cause if sweep_job is not None else ResumeCause.REQUESTED,
+        dataset_source=asdict(checked.dataset_source))
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: asdict(facts)}
     if dims.is_main_process:
         save_run_configs(output_dir, train_config, composed, resumed=resume is not None)
@@ -147,4 +149,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
         evaluation = evaluate_run(output_dir, cfg)
     accelerator.end_training()
+    if cfg.policy.publishes and dims.is_main_process:  # policy.repo_id: the complete last checkpoint, with a card
+        publish_policy(cfg, output_dir, facts, progress, tracker.last_metrics["loss"], evaluation)
     return TrainResult(checked.memory, output_dir, progress, tracker.last_metrics["loss"], rank_bytes, evaluation)

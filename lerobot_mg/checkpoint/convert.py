@@ -12,8 +12,9 @@ python scripts/convert_dcp.py checkpoint_dir=outputs/train/run/checkpoints/00500
 policy's parameter FQNs, so the merged file is exactly what ``save_pretrained`` writes for a gathered
 checkpoint of the same step (``adapter_model.safetensors`` when the directory holds a PEFT adapter).
 ``delete_dcp=true`` removes the shards only after the merged file has been re-read and compared tensor by
-tensor. ``push_to_hub=<user>/<repo>`` uploads the safetensors, json and md files of ``pretrained_model/``
-(needs ``pip install 'lerobot_mg[hub]'``).
+tensor. ``push_to_hub=<user>/<repo>`` uploads the safetensors, json and md files of ``pretrained_model/`` (the model
+card a training run wrote included); on a checkpoint without shards it only uploads, which is how the checkpoint of
+a run whose own upload failed is published later.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from lerobot_mg import cli
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint import unpickle
 from lerobot_mg.checkpoint.dcp_io import load_dcp
+from lerobot_mg.checkpoint.hub import check_can_push, push_pretrained
 from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-HUB_FILE_SUFFIXES = (".safetensors", ".json", ".md")
 # Tensors are read from the shards in groups of about this many bytes, one progress-bar tick per group.
 _READ_GROUP_BYTES = 256 * 2**20
 # Below this size a merge takes a moment and a progress bar is noise.
@@ -183,49 +184,6 @@ def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_prog
     return target
 
 
-# --- publishing -------------------------------------------------------------------------------------------
-
-
-def hub_upload_files(pretrained_dir: Path) -> list[Path]:
-    """The files ``push_to_hub`` publishes: the top-level safetensors, json and md files (no DCP shards)."""
-    return sorted(
-        path for path in Path(pretrained_dir).iterdir()
-        if path.is_file() and path.suffix in HUB_FILE_SUFFIXES
-    )
-
-
-def require_hub(repo_id: str) -> None:
-    """Raise the user-facing error when huggingface_hub (an optional extra) is missing."""
-    try:
-        import huggingface_hub  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(
-            f"push_to_hub={repo_id}: huggingface_hub is not installed. Fix: pip install 'lerobot_mg[hub]' "
-            "(or drop push_to_hub and upload the directory yourself)"
-        ) from error
-
-
-def push_to_hub(pretrained_dir: Path, repo_id: str) -> str:
-    """Upload the converted directory as a model repo; returns the commit URL."""
-    require_hub(repo_id)
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    files = hub_upload_files(pretrained_dir)
-    if not any(path.suffix == ".safetensors" for path in files):
-        raise ConfigError(
-            f"{pretrained_dir}: has no safetensors weights to publish. Fix: convert its DCP shards first "
-            f"(lerobot-mg-convert-dcp checkpoint_dir={pretrained_dir}), then push_to_hub"
-        )
-    api = HfApi()
-    api.create_repo(repo_id, repo_type="model", exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
-    commit = api.create_commit(
-        repo_id, operations, commit_message=f"Upload {Path(pretrained_dir).parent.name} (lerobot_mg)",
-        repo_type="model",
-    )
-    return str(commit.commit_url)
-
-
 # --- command line -----------------------------------------------------------------------------------------
 
 
@@ -243,14 +201,25 @@ class ConvertArgs:
 
 
 def run(args: ConvertArgs) -> None:
-    """Convert (and publish)."""
+    """Convert (and publish). With ``push_to_hub``, a checkpoint that already holds its safetensors weights (no DCP
+    shards: ``checkpoint.format=safetensors``, or converted before) is published as it is: the command a training
+    run prints when its own upload failed."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.push_to_hub is not None:  # fail on a missing dependency before the (possibly long) merge
-        require_hub(args.push_to_hub)
-    target = convert_checkpoint(args.checkpoint_dir, delete_dcp=args.delete_dcp)
-    print(f"wrote {target}", flush=True)
+    if args.push_to_hub is not None:  # refuse a push that cannot happen before the (possibly long) merge
+        check_can_push("push_to_hub", args.push_to_hub)
+    pretrained = resolve_pretrained_dir(args.checkpoint_dir)
+    if args.push_to_hub is not None and not (pretrained / L.MODEL_DCP_DIR).is_dir():
+        target = pretrained / merged_file_name(pretrained)
+    else:
+        target = convert_checkpoint(args.checkpoint_dir, delete_dcp=args.delete_dcp)
+        print(f"wrote {target}", flush=True)
     if args.push_to_hub is not None:
-        print(f"pushed {target.parent} to {push_to_hub(target.parent, args.push_to_hub)}", flush=True)
+        url = push_pretrained(target.parent, args.push_to_hub, publish_message(target.parent), key="push_to_hub")
+        print(f"pushed {target.parent} to {url}", flush=True)
+
+
+def publish_message(pretrained_dir: Path) -> str:
+    return f"Upload {Path(pretrained_dir).parent.name} (lerobot_mg)"
 
 
 def main(argv: list[str] | None = None) -> int:

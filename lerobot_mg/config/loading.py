@@ -156,6 +156,7 @@ def run_config(composed: DictConfig, typed_keys: frozenset[str]) -> TrainConfig:
     cfg = to_train_config(composed)
     typed = cfg.resume or "scheduler.num_warmup_steps" in typed_keys
     cfg.scheduler = fit_warmup(cfg.scheduler, cfg.steps, typed)
+    cfg.dataset = cfg.dataset.from_repo(root_typed="dataset.root" in typed_keys)
     return cfg
 
 

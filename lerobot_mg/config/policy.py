@@ -8,6 +8,7 @@ trip. ``validate`` repeats the checks for a config built in Python or read from 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -30,6 +31,11 @@ def check_positive_ints(values: dict[str, int]) -> None:
     for name, value in values.items():
         if value < 1:
             raise config_error(f"policy.{name}", value, "must be >= 1", f"policy.{name}=1")
+
+
+def is_repo_id(text: str) -> bool:
+    """``<user or org>/<name>``, each part letters, digits, ``-``, ``_`` or ``.`` (the Hub's repo id shape)."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and ".." not in text
 
 
 def _list_override(values: list[int]) -> str:
@@ -59,6 +65,16 @@ class PolicyConfig:
     vision_channels: list[int] = field(default_factory=_default_vision_channels)
     # Normalisation mode per feature type (VISUAL, STATE, ENV, ACTION): MEAN_STD, MIN_MAX (to [-1, 1]) or IDENTITY.
     normalization_mapping: dict[str, NormalizationMode] = field(default_factory=_mean_std_everywhere)
+    # LeRobot's publishing fields, under LeRobot's names (config.json keeps them): at the end of training the main
+    # process uploads the final pretrained_model/ to the model repo <user>/<name> with a model card. push_to_hub is
+    # true by default, as in LeRobot, so a repo id alone publishes; push_to_hub=false keeps the repo id unused.
+    repo_id: str | None = None
+    push_to_hub: bool = True
+
+    @property
+    def publishes(self) -> bool:
+        """Whether the end of training uploads pretrained_model/ (a repo id is given and push_to_hub is on)."""
+        return self.push_to_hub and self.repo_id is not None
 
     @property
     def observation_delta_indices(self) -> list[int] | None:
@@ -81,6 +97,9 @@ class PolicyConfig:
         if self.type != preset:
             raise config_error("policy.type", self.type, f"does not match {type(self).__name__}", f"policy={preset}")
         check_positive_ints({"n_action_steps": self.n_action_steps})
+        if self.repo_id is not None and not is_repo_id(self.repo_id):
+            raise config_error("policy.repo_id", self.repo_id, "is not a Hub repo id <user>/<name>",
+                               "policy.repo_id=${HF_USER}/my_trained_policy")
         self.check_fields()
         if not self.vision_channels or any(width < 1 for width in self.vision_channels):
             raise config_error(

@@ -7,7 +7,7 @@ wrong type fails at compose time. Semantic checks (ranges, combinations, the wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,13 +133,25 @@ class CheckpointConfig:
 @dataclass
 class DatasetConfig:
     """The dataset to train on: the embedded ALOHA transfer-cube demonstrations (conf/dataset/embedded.yaml, the
-    default, names their cache directory), or ``dataset=lerobot dataset.root=<dir>``: any LeRobot v3.0 directory.
-    ``root`` has no default here: a preset merged over a value cannot make it missing again, and ``dataset=lerobot``
-    must refuse to start without a root rather than read the embedded demos."""
+    default, names their cache directory), a LeRobot dataset on the Hugging Face Hub (``dataset.repo_id=<user>/<name>``,
+    as LeRobot resolves it: ``dataset.root`` when typed, else ``$HF_LEROBOT_HOME/<repo_id>``, LeRobot's own cache,
+    ``~/.cache/huggingface/lerobot/<repo_id>`` by default, else downloaded there once per node at ``revision``), or
+    ``dataset=lerobot dataset.root=<dir>``: any LeRobot v3.0 directory. ``dataset=lerobot`` with neither a root nor a
+    repo id refuses to start rather than read the embedded demos."""
 
     name: DatasetName = DatasetName.embedded
-    root: str = MISSING
+    root: str | None = None
+    repo_id: str | None = None  # <user>/<dataset> on the Hub; the default preset's root then gives way to it
+    revision: str | None = None  # a branch, tag or commit of the dataset repo; null: its default branch
     episodes: list[int] | None = None
+
+    def from_repo(self, root_typed: bool) -> DatasetConfig:
+        """This group with ``repo_id`` in charge: a root the user did not type (the embedded preset's cache
+        directory) gives way to the repo's. A root typed on the command line, or set with ``dataset=lerobot``,
+        is read as given, as LeRobot reads ``--dataset.root``."""
+        if self.repo_id is None or root_typed or self.name != DatasetName.embedded:
+            return self
+        return replace(self, name=DatasetName.lerobot, root=None)
 
 
 @dataclass

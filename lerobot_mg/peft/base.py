@@ -21,6 +21,7 @@ from safetensors import safe_open
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.loading import override_keys
 from lerobot_mg.config.schema import policy_config_class
+from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
 
@@ -103,6 +104,7 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
     line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does. The path
     is made absolute (``last`` resolved to its step), so a resume from another directory finds the same base."""
+    composed.policy.path = resolve_policy_path(str(composed.policy.path))  # a Hub repo id: its cached snapshot
     check_policy_path(str(composed.policy.path))
     path = str(Path(composed.policy.path).resolve())
     kept = {
@@ -112,7 +114,8 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     saved = read_policy_config(path)
     if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(str(saved["type"])))
-    base = {f"policy.{name}": value for name, value in saved.items()}
+    # Where the base was published is not where its fine-tune goes: policy.repo_id / push_to_hub are this run's.
+    base = {f"policy.{name}": value for name, value in saved.items() if name not in ("repo_id", "push_to_hub")}
     for key, value in {**base, "policy.path": path, **kept}.items():
         OmegaConf.update(composed, key, value, merge=False)
     return composed

@@ -209,6 +209,35 @@ CATALOGUE = [
     BadInput("dataset_root_missing", ["experiment=pusht_debug", "dataset.root=<tmp>/nowhere"],
              "dataset.root='<tmp>/nowhere': is not a LeRobot v3.0 dataset (no meta/info.json)",
              "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>"),
+    BadInput("dataset_lerobot_without_root_or_repo_id", ["experiment=pusht_debug", "dataset.root=null"],
+             "dataset.root=None: dataset=lerobot reads a LeRobot v3.0 dataset from a directory or from the Hub, and "
+             "neither is given", "dataset.root=<a LeRobot v3.0 dataset directory>, or dataset.repo_id=<user>/<dataset>"),
+    BadInput("dataset_repo_id_not_a_repo_id", ["dataset.repo_id=my_dataset"],
+             "dataset.repo_id='my_dataset': is not a Hub repo id <user>/<dataset>", "dataset.repo_id=${HF_USER}/my_dataset"),
+    BadInput("dataset_repo_id_offline_and_not_cached", ["dataset.repo_id=me/my_dataset"],
+             "dataset.repo_id='me/my_dataset': is not in LeRobot's cache (/nonexistent/lerobot/me/my_dataset), and "
+             "HF_HUB_OFFLINE=1 forbids downloading it",
+             "fetch it while online: hf download me/my_dataset --repo-type dataset --local-dir "
+             "/nonexistent/lerobot/me/my_dataset, or dataset.root=<a local copy>",
+             env={"HF_HUB_OFFLINE": "1", "HF_LEROBOT_HOME": "/nonexistent/lerobot"}),
+    # --- publishing (policy.repo_id) -------------------------------------------------------------------------
+    BadInput("policy_repo_id_not_a_repo_id", [*VALID, "policy.repo_id=my_trained_policy"],
+             "policy.repo_id='my_trained_policy': is not a Hub repo id <user>/<name>",
+             "policy.repo_id=${HF_USER}/my_trained_policy"),
+    BadInput("push_offline", [*VALID, "policy.repo_id=me/my_trained_policy"],
+             "policy.repo_id='me/my_trained_policy': HF_HUB_OFFLINE=1 is set, so the upload at the end of training "
+             "could never happen", "unset HF_HUB_OFFLINE (and log in: hf auth login), or policy.push_to_hub=false",
+             env={"HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_x"}),
+    BadInput("push_without_a_token", [*VALID, "policy.repo_id=me/my_trained_policy"],
+             "policy.repo_id='me/my_trained_policy': no Hugging Face token is set (HF_TOKEN, or hf auth login), so the "
+             "upload at the end of training would be refused",
+             "hf auth login (or export HF_TOKEN=<a write token>), or policy.push_to_hub=false",
+             env={"HF_HOME": "/nonexistent/hf"}),
+    BadInput("push_without_a_final_checkpoint",
+             [*VALID, "policy.repo_id=me/my_trained_policy", "checkpoint.save_checkpoint=false"],
+             "policy.repo_id='me/my_trained_policy': publishes the final checkpoint, which "
+             "checkpoint.save_checkpoint=false never writes", "checkpoint.save_checkpoint=true, or policy.push_to_hub=false",
+             env={"HF_TOKEN": "hf_x"}),
     BadInput("observation_key_the_dataset_lacks", [*VALID, "policy.observation_keys=[observation.wrist]"],
              "policy.observation_keys=['observation.wrist']: the dataset has no feature ['observation.wrist']",
              "policy.observation_keys=[observation.image,observation.state] or a subset of it"),

@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
@@ -247,10 +247,11 @@ def test_typo_inside_a_preset_file_fails_at_compose_time(tmp_path: Path) -> None
     assert "Key 'learning_rate' not in 'OptimizerConfig'" in str(error.value.__cause__ or error.value)
 
 
-def test_missing_dataset_root_fails_when_typed() -> None:
-    with pytest.raises(MissingMandatoryValue) as error:
-        _train_config(["dataset=lerobot"])
-    assert "full_key: dataset.root" in str(error.value)
+def test_dataset_lerobot_composes_without_a_root_or_repo_id_and_preflight_refuses_it() -> None:
+    """No root is typed: not the embedded demos' directory (the row dataset_lerobot_without_root_or_repo_id of
+    tests/unit/test_bad_inputs.py is the refusal)."""
+    cfg = _train_config(["dataset=lerobot"])
+    assert (cfg.dataset.name, cfg.dataset.root, cfg.dataset.repo_id) == ("lerobot", None, None)
 
 
 def test_a_saved_train_config_is_typed_too() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,10 @@ from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint.convert import (
     ConvertArgs,
     convert_checkpoint,
-    hub_upload_files,
     main,
     read_dcp_tensors,
 )
+from lerobot_mg.checkpoint.hub import hub_upload_files
 from lerobot_mg.cli import parse
 from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.peft.lora import load_policy
@@ -188,12 +187,12 @@ def test_hub_upload_selects_safetensors_json_and_md_only(tmp_path: Path) -> None
     ]
 
 
-def test_push_without_huggingface_hub_fails_before_merging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_offline_fails_before_merging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     pretrained = dcp_checkpoint(tmp_path / "000010", tiny_policy())
-    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     assert main([f"checkpoint_dir={tmp_path / '000010'}", "push_to_hub=me/policy", "delete_dcp=true"]) == 2
-    assert "push_to_hub=me/policy: huggingface_hub is not installed. Fix: pip install" in capsys.readouterr().err
+    assert "push_to_hub=me/policy: HF_HUB_OFFLINE=1 is set" in capsys.readouterr().err
     assert not (pretrained / "model.safetensors").exists()
     assert (pretrained / "pytorch_model_fsdp_0").is_dir()

@@ -25,6 +25,7 @@ _TRAIN = ("python scripts/train.py", "lerobot-mg-train")
 
 # Commands not run here, by the start of the command (the first rule that matches), and the test that runs them.
 COVERED_BY: list[tuple[str, str]] = [
+    ("torchrun --nproc-per-node=2 $(which lerobot-mg-train) --dataset.repo_id=", "tests/dist/test_guide_commands.py::test_launching"),
     ("python scripts/train.py -m hydra/launcher=slurm", "tests/dist/test_slurm.py::test_each_sweep_job_has_its_own_run_directory"),
     ("torchrun --nnodes=2", "tests/dist/test_local_sweep.py::test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run"),
     ("torchrun --nproc-per-node=4 scripts/train.py policy.path=", "tests/dist/test_peft_runs.py::test_sharded_lora_matches_one_process"),

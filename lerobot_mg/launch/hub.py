@@ -1,0 +1,67 @@
+"""``policy.repo_id``: the end of training publishes the final ``pretrained_model/`` with a model card.
+
+The main process alone, after the last checkpoint is complete on disk and ``last`` names it (and after the
+evaluation, whose result goes into the card). The card (``README.md`` in ``pretrained_model/``) says what was
+trained: the policy, the dataset, the steps, the effective batch, the topology, the final loss and the evaluation if
+any. A ``checkpoint.format=dcp`` checkpoint is merged into its safetensors weights first (the converter's merge; the
+shards stay). The upload itself is :func:`lerobot_mg.checkpoint.hub.push_pretrained`, the converter's: a failure
+keeps the checkpoint and raises the error naming it and the command that uploads it later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.checkpoint.convert import convert_checkpoint, merged_file_name
+from lerobot_mg.checkpoint.hub import MODEL_CARD, push_pretrained
+from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.run_facts import Progress, RunFacts
+
+
+def model_card(cfg: TrainConfig, facts: RunFacts, progress: Progress, final_loss: float | None,
+               evaluation: dict[str, Any] | None) -> str:
+    """The README.md of the published model repo."""
+    dataset = facts.dataset_source or {}
+    dataset_name = dataset.get("repo_id") or dataset.get("root") or str(cfg.dataset.root)
+    revision = f" (revision {dataset['revision']})" if dataset.get("revision") else ""
+    tags = ["lerobot", "lerobot_mg", "robotics", cfg.policy.type]
+    front = "\n".join(["---", "library_name: lerobot", "pipeline_tag: robotics", "tags:",
+                       *(f"- {tag}" for tag in tags),
+                       *([f"datasets:\n- {dataset['repo_id']}"] if dataset.get("repo_id") else []), "---"])
+    rows = [
+        ("policy", f"{cfg.policy.type} ({facts.model['total_params']:,} parameters, "
+                   f"{facts.model['trainable_params']:,} trainable)"),
+        ("dataset", f"{dataset_name}{revision}"),
+        ("steps", f"{progress.step} loop steps, {progress.optimizer_updates} optimizer updates, "
+                  f"{progress.samples_seen:,} samples"),
+        ("effective batch", facts.batch.describe()),
+        ("topology", f"{facts.topology.describe()} (world size {facts.topology.world_size})"),
+        ("precision", facts.precision),
+        ("final loss", "n/a" if final_loss is None else f"{final_loss:.6g}"),
+    ]
+    if facts.model.get("base_model_path"):
+        rows.append(("base model", str(facts.model["base_model_path"])))
+    if evaluation:
+        shown = {key: value for key, value in evaluation.items() if isinstance(value, int | float | str)}
+        rows.append(("evaluation", ", ".join(f"{key}={value}" for key, value in shown.items())))
+    table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+    return (f"{front}\n\n# {cfg.policy.repo_id}\n\nA {cfg.policy.type} policy trained with lerobot_mg "
+            f"(job {cfg.job_name}). The files are LeRobot's `pretrained_model/` layout: config.json, the weights "
+            f"and the processors, with train_config.json for the full training config.\n\n{table}\n")
+
+
+def publish_policy(cfg: TrainConfig, output_dir: Path, facts: RunFacts, progress: Progress,
+                   final_loss: float | None, evaluation: dict[str, Any] | None) -> str:
+    """Write the card into the last checkpoint's ``pretrained_model/`` and upload it; returns the commit URL.
+    Main process only, after the last checkpoint is on disk."""
+    step_dir = (L.checkpoints_root(output_dir) / L.LAST_LINK).resolve()
+    pretrained = step_dir / L.PRETRAINED_MODEL_DIR
+    if not (pretrained / merged_file_name(pretrained)).is_file():  # checkpoint.format=dcp: shards only
+        convert_checkpoint(step_dir)
+    (pretrained / MODEL_CARD).write_text(model_card(cfg, facts, progress, final_loss, evaluation))
+    url = push_pretrained(pretrained, str(cfg.policy.repo_id),
+                          f"Upload {cfg.job_name} at step {progress.step} (lerobot_mg)")
+    print(f"Published {pretrained} to {url}", flush=True)
+    return url
