@@ -5,7 +5,7 @@ state that would leak into the next point: the default process group, accelerate
 ``AcceleratorState`` / ``GradientState`` (a second ``Accelerator`` with another precision refuses to build; the
 CPU rehearsal relabels the shared distributed type), environment variables accelerate writes (our environment
 guard would refuse the next run because of them), a wandb or trackio run still open after a failure, this run's log file
-handler, and the preemption signal handler. :func:`releases_run_state` tears all of it down when ``train()``
+handler, and the signal handlers of the stop watch (SIGINT, SIGTERM, preemption). :func:`releases_run_state` tears all of it down when ``train()``
 returns or raises; every run seeds its RNGs itself at start.
 """
 
@@ -53,7 +53,7 @@ def _detach_run_logs() -> None:
 
 
 def _restore_signal_handlers() -> None:
-    # The preemption watch replaced a handler; put back the one it replaced (submitit's, or the default).
+    # The stop watch replaced handlers; put back the ones it replaced (submitit's, or the defaults).
     for signum in signal.valid_signals():
         handler = signal.getsignal(signum)
         watch = getattr(handler, "__self__", None)
