@@ -143,7 +143,7 @@ class PreemptionWatch:
             self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
             if decided is None:
                 return False
-        preempted, stop = (int(x) for x in decided.tolist())  # host tensors: no device sync
+        preempted, stop = (int(x) for x in decided.numpy())  # a host tensor: nothing waits for the device
         if not (preempted or stop):
             return False
         self.cause = self.signum if preempted else signal.Signals(stop)
