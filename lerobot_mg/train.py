@@ -140,6 +140,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
             preemption.leave(output_dir, progress, saving,  # does not return: exits 128 + signal, or requeues
                              resume_command(output_dir, progress.step, sweep_job and sweep_job.run_dir.parent))
 
+    preemption.finish()
     checkpoints.close()  # the last save is on disk and `last` names it before the run reports
     rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
     tracker.close()

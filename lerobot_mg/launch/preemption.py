@@ -118,6 +118,13 @@ class PreemptionWatch:
                 signal.signal(signum, previous)  # type: ignore[arg-type]
         self._previous = {}
 
+    def finish(self) -> None:
+        """After the last loop step: wait for the flag exchange still in flight (every rank started it), so the
+        process groups are idle when they are destroyed. Collective in effect: every rank calls it."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
     def _flags(self) -> torch.Tensor:
         return torch.tensor([self.received_at is not None, 0 if self.stop_signal is None else int(self.stop_signal)],
                             dtype=torch.int32)
@@ -156,8 +163,7 @@ class PreemptionWatch:
         """After the checkpoint of this loop step is complete on disk (``saved``; false when checkpoints are off):
         record the stop in the ledger and leave. Does not return. ``rerun``: the arguments that resume this run
         after a stop (see :func:`resume_command`)."""
-        if self._pending is not None:
-            self._pending[0].wait()  # every rank started it: the group is idle before it is destroyed
+        self.finish()
         step_dir = L.checkpoints_root(output_dir) / L.step_dir_name(progress.step)
         assert self.cause is not None, "leave() before agreed() returned True"
         self._leaving = True
