@@ -7,7 +7,12 @@ step that does not end an accumulation window is a kill mid-accumulation. The st
 start (a resumed process counts from its first step). Actions:
 
 - ``kill``: the rank sends itself SIGKILL (no handler, no cleanup: a machine that loses a process);
-- ``raise``: the rank raises :class:`FaultDrillError` (a bug in the middle of training).
+- ``raise``: the rank raises :class:`FaultDrillError` (a bug in the middle of training);
+- ``sigint`` / ``sigterm``: the rank sends itself SIGINT (Ctrl-C) / SIGTERM (``kill``) and trains on;
+- ``sigint_twice``: the rank sends itself SIGINT twice (a user who does not want to wait for the checkpoint);
+- ``sigterm_launcher``: the rank sends SIGTERM to its parent, the launcher (torchrun, which forwards it to every
+  rank: what ``scancel``, Kubernetes or a time limit does to a job), and waits until the launcher's SIGTERM reached
+  it, so the run stops at a step that does not depend on how fast the launcher forwards it.
 
 Before acting, the rank prints one line naming the rank and the step to stderr. ``train()`` passes the drill to
 the :class:`~lerobot_mg.step.Stepper` as its ``after_backward`` hook; without the variable there is no hook.
@@ -20,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,10 +36,41 @@ _SPEC = re.compile(r"(?P<action>\w+)@rank(?P<rank>\d+):step(?P<step>\d+)")
 class FaultAction(enum.Enum):
     KILL = "kill"
     RAISE = "raise"
+    SIGINT = "sigint"
+    SIGTERM = "sigterm"
+    SIGTERM_LAUNCHER = "sigterm_launcher"
+    SIGINT_TWICE = "sigint_twice"
 
 
 class FaultDrillError(RuntimeError):
     """The exception a ``raise`` drill injects: not a user error, so it keeps its traceback."""
+
+
+_FORWARD_WAIT_S = 60.0
+
+
+def _signal_launcher_and_wait(signum: signal.Signals) -> None:
+    """Send ``signum`` to the parent process and wait until it sends it back here, where it reaches the handler
+    that was installed (the run's stop watch) as usual."""
+    installed = signal.getsignal(signum)
+    arrived: list[bool] = []
+
+    def forward(received: int, frame: object) -> None:
+        arrived.append(True)
+        if callable(installed):
+            installed(received, frame)
+
+    signal.signal(signum, forward)
+    try:
+        os.kill(os.getppid(), signum)
+        deadline = time.monotonic() + _FORWARD_WAIT_S
+        while not arrived:
+            if time.monotonic() > deadline:
+                raise FaultDrillError(f"fault drill: the launcher did not send {signum.name} back in "
+                                      f"{_FORWARD_WAIT_S:.0f} s")
+            time.sleep(0.01)  # a handler runs in the main thread between two of these
+    finally:
+        signal.signal(signum, installed)
 
 
 @dataclass
@@ -52,6 +89,15 @@ class FaultDrill:
               file=sys.stderr, flush=True)
         if self.action is FaultAction.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.action is FaultAction.SIGTERM_LAUNCHER:
+            _signal_launcher_and_wait(signal.SIGTERM)
+        elif self.action in (FaultAction.SIGINT, FaultAction.SIGTERM):
+            os.kill(os.getpid(), signal.SIGINT if self.action is FaultAction.SIGINT else signal.SIGTERM)
+        elif self.action is FaultAction.SIGINT_TWICE:
+            for _ in range(2):
+                signal.raise_signal(signal.SIGINT)  # each reaches the handler before raise_signal returns
+        if self.action is not FaultAction.RAISE:
+            return
         raise FaultDrillError(f"fault drill: injected failure on rank {self.rank} at loop step {self.step}")
 
 
@@ -63,6 +109,7 @@ def fault_drill(rank: int) -> Callable[[], None] | None:
     match = _SPEC.fullmatch(spec.strip())
     if match is None or match["action"] not in {a.value for a in FaultAction}:
         # A typo would silently run the drill-free job the user did not mean to run.
-        raise RuntimeError(f"{FAULT_ENV}={spec!r}: expected <kill|raise>@rank<R>:step<N>, e.g. kill@rank1:step5")
+        actions = "|".join(action.value for action in FaultAction)
+        raise RuntimeError(f"{FAULT_ENV}={spec!r}: expected <{actions}>@rank<R>:step<N>, e.g. kill@rank1:step5")
     drill = FaultDrill(FaultAction(match["action"]), int(match["rank"]), int(match["step"]))
     return drill.after_backward if drill.rank == rank else None

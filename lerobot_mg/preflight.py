@@ -11,7 +11,7 @@ metadata, the resume point, the plan) is returned for ``train()`` to reuse, so n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,14 @@ from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_datase
 from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
 from lerobot_mg.distributed.env_guard import check_accelerate_env
-from lerobot_mg.distributed.memory import MemoryPlan, check_fits, memory_budget, plan_memory
+from lerobot_mg.distributed.memory import (
+    MemoryBudget,
+    MemoryPlan,
+    check_fits,
+    given_budget,
+    memory_budget,
+    plan_memory,
+)
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.trackers import check_trackers
 from lerobot_mg.errors import config_error
@@ -56,6 +63,7 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     """
     if on_this_machine:
         check_accelerate_env(env)
+    world_size = planned_world_size(cfg, world_size)
     dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
     validate(cfg, dims.is_sharded)
     check_resume_request(cfg.resume, cfg.config_path)
@@ -71,7 +79,37 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     memory = plan_memory(cfg, dims, meta_policy(cfg, dataset))  # the wrap, checkpointing and compile units are chosen (and checked) here
     if on_this_machine and not cfg.plan:
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
+    if cfg.plan:  # the printout says whether the plan fits
+        memory = replace(memory, budget=plan_budget(cfg, memory, dims.local_rank))
     return Preflight(dims, dataset, source, resume, memory)
+
+
+def planned_world_size(cfg: TrainConfig, launched: int) -> int:
+    """The world the start plans for: ``plan_world_size`` with ``plan=true``, else the launched one."""
+    for key in ("plan_world_size", "plan_device_memory_gib"):
+        value = getattr(cfg, key)
+        if value is not None and not cfg.plan:
+            raise config_error(key, value, "only applies to a plan (nothing would read it)", f"add plan=true, or drop {key}")
+        if value is not None and value <= 0:
+            raise config_error(key, value, "must be positive", f"{key}=<a positive number>, or drop it")
+    if cfg.plan_world_size is None:
+        return launched
+    degrees = (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard)
+    if -1 not in degrees and degrees[0] * degrees[1] != cfg.plan_world_size:
+        raise config_error("plan_world_size", cfg.plan_world_size,
+                           f"the layout asks for dp_replicate x dp_shard = {degrees[0] * degrees[1]} ranks",
+                           f"plan_world_size={degrees[0] * degrees[1]}, or parallelism.dp_shard=-1 (shard over all)")
+    return cfg.plan_world_size
+
+
+def plan_budget(cfg: TrainConfig, memory: MemoryPlan, local_rank: int) -> MemoryBudget | None:
+    """What ``plan=true`` checks the fit against: ``plan_device_memory_gib``, else this machine's GPU or host RAM
+    (None: a GPU plan made on a machine without a GPU)."""
+    if cfg.plan_device_memory_gib is not None:
+        return given_budget(cfg.plan_device_memory_gib)
+    if memory.on_device and not torch.cuda.is_available():
+        return None
+    return memory_budget(memory.on_device, local_rank)
 
 
 def check_output_dir(cfg: TrainConfig) -> None:

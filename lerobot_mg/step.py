@@ -1,4 +1,9 @@
-"""One loop step for every layout: forward, backward, and on accumulation boundaries the optimizer update."""
+"""One loop step for every layout: forward, backward, and on accumulation boundaries the optimizer update.
+
+A step never waits for the device: its losses, gradient norm and skip flag stay device tensors
+(:class:`StepLogs`), summed between log steps and read there (lerobot_mg.tracking). The one exception is torch's
+fp16 loss scaler, whose ``step()`` reads the overflow flag once per optimizer update.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from torch import nn
 
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 
 # torch's warning when LRScheduler.step() runs before the optimizer's first step (torch/optim/lr_scheduler.py).
 _SCHEDULER_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
@@ -23,20 +29,26 @@ _SCHEDULER_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before
 class StepLogs:
     """What one loop step did; :meth:`Stepper.step` fills it in."""
 
-    losses: dict[str, float] = field(default_factory=dict, init=False)
+    # Device tensors (0-d): converting one to a Python number waits for the device.
+    losses: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
     # This loop step ended an accumulation window: an optimizer update was attempted ...
     synced: bool = field(default=False, init=False)
-    # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank).
-    skipped: bool = field(default=False, init=False)
-    grad_norm: float = field(default=math.nan, init=False)
+    # ... and the fp16 loss scaler skipped it (inf/nan gradients on some rank): a device bool tensor under fp16.
+    skipped: bool | torch.Tensor = field(default=False, init=False)
+    grad_norm: float | torch.Tensor = field(default=math.nan, init=False)  # a device tensor when clipping
     # The learning rate this step's update used (before the scheduler stepped).
     lr: float = field(default=math.nan, init=False)
+
+
+# Read on the host by the policies (per-sample generators): on the device, reading them would wait for it.
+HOST_KEYS = frozenset({SAMPLE_SEED_KEY})
 
 
 def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collection[str] = ()) -> dict[str, Any]:
     """The batch on ``device``; ``uint8_keys`` (images that crossed the DataLoader's pipes as uint8, a quarter of the
     bytes of float32) become float32 in [0, 1] there, as the policy expects them."""
-    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+           for k, v in batch.items()}
     for key in uint8_keys:
         out[key] = out[key].float().div_(255.0)
     return out
@@ -77,11 +89,12 @@ class Stepper:
             logs.synced = acc.sync_gradients
             if logs.synced:
                 logs.grad_norm = self._finish_gradients()
-                scale_before = acc.scaler.get_scale() if acc.scaler is not None else None
+                # The scale as a device tensor (get_scale() would read it on the host).
+                scale_before = acc.scaler._get_scale_async().clone() if acc.scaler is not None else None
             self.optimizer.step()  # accelerate skips it inside an accumulation window
             self.optimizer.zero_grad(set_to_none=True)
             if logs.synced and scale_before is not None:
-                logs.skipped = acc.scaler.get_scale() < scale_before  # the scaler backs off exactly on a skip
+                logs.skipped = acc.scaler._get_scale_async() < scale_before  # it backs off exactly on a skip
         logs.lr = self.lr
         if self.scheduler is not None:
             with warnings.catch_warnings():
@@ -90,18 +103,19 @@ class Stepper:
                 # ahead of the optimizer. The lr each update uses is still the schedule's for its loop step.
                 warnings.filterwarnings("ignore", message=_SCHEDULER_BEFORE_OPTIMIZER, category=UserWarning)
                 self.scheduler.step()  # once per loop step, whatever the process count
-        logs.losses = {"loss": float(loss.detach()), **{k: float(v) for k, v in policy_logs.items()}}
+        logs.losses = {"loss": loss.detach(), **policy_logs}
         return logs
 
-    def _finish_gradients(self) -> float:
-        """Reduce what FSDP does not, unscale, agree on overflow, clip; returns the global grad norm."""
+    def _finish_gradients(self) -> float | torch.Tensor:
+        """Reduce what FSDP does not, unscale, agree on overflow, clip; returns the global grad norm (a device
+        tensor; NaN when clipping is off)."""
         acc = self.accelerator
         sync_ignored_grads(self.ignored_params, self.dims.world_size)
         norm = math.nan
         if self.grad_clip_norm > 0:
             total = acc.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)  # unscales first under fp16
             total = total.full_tensor() if hasattr(total, "full_tensor") else total
-            norm = float(total)
+            norm = total.detach()
         elif acc.scaler is not None:
             acc.unscale_gradients()
         sync_found_inf(acc, self.optimizer)

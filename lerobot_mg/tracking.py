@@ -101,6 +101,7 @@ class RunTracker:
         self.digests = LoaderDigests(facts.batch, dims.rank) if logging.record_sample_digests else None
         self.last_metrics: dict[str, float] = {"loss": math.nan}
         self._last_grad_norm = self._lr = math.nan
+        self._skipped: int | torch.Tensor = 0  # updates the fp16 scaler skipped since the last log (device tensor)
         self._progress = (ProgressDisplay(total_steps, progress, facts.batch.samples_per_loop_step,
                                           logging.log_every_s)
                           if logging.progress_bar and dims.is_main_process else None)
@@ -122,7 +123,7 @@ class RunTracker:
         if logs.synced:
             self._last_grad_norm = logs.grad_norm
             p.optimizer_updates += 1
-            p.skipped_updates += int(logs.skipped)
+            self._skipped = self._skipped + logs.skipped  # counted on the device, read at the next log step
             if self.digests is not None:
                 self.digests.end_update(p.optimizer_updates, p.step)
         log_step = p.step % self.log_freq == 0 or p.step == self.total_steps
@@ -137,6 +138,8 @@ class RunTracker:
         if self.interval.is_empty:
             return
         reduced, summed = self.interval.reduce(self.digests.pack() if self.digests is not None else [])  # collective
+        self.progress.skipped_updates += int(self._skipped)  # the flags were agreed across ranks at each update
+        self._skipped, self._last_grad_norm = 0, float(self._last_grad_norm)
         reduced["lr"] = self._lr
         # The wait per step, averaged over ranks, becomes the interval's total (as LeRobot's data_s) and its share
         # of the interval's wall time: a loader that cannot keep up shows here first.

@@ -25,7 +25,7 @@ from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
 from lerobot_mg.drills import fault_drill
 from lerobot_mg.launch.hub import publish_policy
 from lerobot_mg.launch.placement import record_placement
-from lerobot_mg.launch.preemption import PreemptionWatch
+from lerobot_mg.launch.preemption import PreemptionWatch, resume_command
 from lerobot_mg.launch.run_dir import run_dir, save_run_configs
 from lerobot_mg.launch.run_state import attach_run_log, releases_run_state
 from lerobot_mg.launch.sweep import SweepJob
@@ -68,7 +68,9 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     output_dir = run_dir(cfg, resume, sweep_job, dims)  # collective
     attach_run_log(output_dir, dims.is_main_process)
     record_placement(accelerator, dims, output_dir)  # collective
-    preemption = PreemptionWatch(dims, accelerator.device, cfg.accelerator.gradient_accumulation.steps)
+    group_timeout = timedelta(seconds=cfg.accelerator.process_group_timeout_s)
+    # Ctrl-C, SIGTERM and SLURM preemption: every rank saves at the same step, then the run stops or is requeued.
+    preemption = PreemptionWatch(dims, cfg.accelerator.gradient_accumulation.steps, group_timeout)  # collective
 
     policy = build_policy(cfg, meta.features)  # fresh, the base at policy.path, or that base under LoRA
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
@@ -87,7 +89,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy),
                                     async_save=cfg.checkpoint.async_save,  # collective when async_save
-                                    group_timeout=timedelta(seconds=cfg.accelerator.process_group_timeout_s))
+                                    group_timeout=group_timeout)
     facts = RunFacts.collect(  # once per start
         cfg, dims, dataset_fingerprint=dataset.fingerprint(), model=describe_finetune(cfg, policy),
         lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps),
@@ -126,16 +128,19 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         sampler.advance()
         tracker.step_done(stepper.step(batch), batch["index"], data_wait_s)  # collective on log steps
         checkpoints.poll()  # a background save whose files are all written becomes `last`
-        preempted = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
-        if cfg.checkpoint.is_save_step(progress.step, cfg.steps, preempted):
+        stop = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
+        if saving := cfg.checkpoint.is_save_step(progress.step, cfg.steps, stop):
             tracker.checkpoint()  # collective: the ledger is on disk up to every checkpoint
-            # A preempted job's save must be on disk before it requeues.
+            # A stopping run's save must be on disk before it exits or requeues.
             checkpoints.save(progress.step, model, optimizer, save_items,  # collective
-                             training_step(progress, sampler.state_dict(), facts), blocking=preempted)
-        if preempted:
+                             training_step(progress, sampler.state_dict(), facts), blocking=stop)
+        if stop:
             tracker.close()
-            preemption.requeue(output_dir, progress.step)  # does not return; the requeued job resumes from here
+            checkpoints.close()
+            preemption.leave(output_dir, progress, saving,  # does not return: exits 128 + signal, or requeues
+                             resume_command(output_dir, progress.step, sweep_job and sweep_job.run_dir.parent))
 
+    preemption.finish()
     checkpoints.close()  # the last save is on disk and `last` names it before the run reports
     rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
     tracker.close()

@@ -15,6 +15,9 @@
 #    group), and a resume from it; the in-place DCP reader then reads into CUDA targets.
 # 7. plan=true against the GPU's free memory (torch.cuda.mem_get_info), and the per-run data wait (data_frac) with
 #    uint8 images scaled on the GPU.
+# 8. Host syncs per loop step: a short ACT run (one GPU, then FSDP2 on NCCL) under
+#    torch.cuda.set_sync_debug_mode("warn"), counting the synchronising CUDA calls of each loop step; a step that
+#    neither logs nor saves should have none (`bash scripts/gpu_check.sh sync` runs this part alone).
 # Each run prints, from its ledger: loss first -> last, samples/s of the last interval, data_frac, and the training
 # state per rank (rank_bytes.json), plus its checkpoint log lines (bytes and seconds per save).
 set -euo pipefail
@@ -31,6 +34,84 @@ import torch, torch.distributed as dist
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
 print("nccl available:", dist.is_nccl_available(), "nccl version:", torch.cuda.nccl.version())
 PY
+
+sync_check() {  # name, launcher...: syncs per loop step, from the trainer run in-process under the sync debug mode
+  echo "== host syncs per loop step: $1"; shift
+  "$@" experiment=pusht_debug "dataset.root=$DATA" steps=30 log_freq=10 \
+      checkpoint.save_freq=20 logging.progress_bar=false "output_dir=$OUT/sync_run_$RANDOM" 2>&1 \
+      | grep -E "^   |Error" || true
+}
+SYNC_PROBE=$(mktemp --suffix=.py)
+cat > "$SYNC_PROBE" <<'PY'
+import collections, os, sys, traceback, warnings
+import torch
+import lerobot_mg.train as train_module
+from lerobot_mg.checkpoint.manager import CheckpointManager
+from lerobot_mg.scripts_entry import train
+
+state = {"step": 0, "active": False, "count": 0}
+counts, sources = {}, collections.Counter()
+_show = warnings.showwarning
+
+
+def show(message, category, filename, lineno, file=None, line=None):
+    if state["active"] and "synchroniz" in str(message):
+        state["count"] += 1
+        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "warnings" not in f.filename]
+        sources[f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else "?"] += 1
+    elif not state["active"]:
+        _show(message, category, filename, lineno, file, line)
+
+
+warnings.showwarning = show
+warnings.simplefilter("always")
+_batches = train_module.endless_batches
+
+
+def end_step():
+    if state["step"]:
+        counts[state["step"]] = state["count"]
+    state.update(active=False, count=0)
+
+
+def counting_batches(*args, **kwargs):
+    inner = _batches(*args, **kwargs)
+    while True:
+        end_step()
+        torch.cuda.set_sync_debug_mode(0)
+        batch = next(inner)
+        state["step"] += 1
+        state["active"] = True
+        torch.cuda.set_sync_debug_mode("warn")
+        yield batch
+
+
+_close = CheckpointManager.close
+
+
+def close(self):
+    torch.cuda.set_sync_debug_mode(0)
+    end_step()
+    if self.dims.is_main_process:
+        quiet = {s: n for s, n in counts.items() if s % 10 and s % 20 and s != max(counts) and s > 1}
+        print(f"   rank 0: syncs on loop step 1 (warm-up): {counts.get(1)}; on the {len(quiet)} steps that neither log "
+              f"nor save: max {max(quiet.values(), default=0)}, total {sum(quiet.values())}; on log/save steps: "
+              f"{ {s: n for s, n in counts.items() if s not in quiet and s > 1} }", flush=True)
+        for where, n in sources.most_common(8):
+            print(f"   {n:5d}  {where}", flush=True)
+    _close(self)
+
+
+train_module.endless_batches = counting_batches
+CheckpointManager.close = close
+train()
+PY
+if [ "${1:-}" = sync ]; then
+  sync_check "one GPU" $PY "$SYNC_PROBE"
+  sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
+      parallelism.dp_shard=-1
+  exit 0
+fi
 
 common=(experiment=pusht_debug "dataset.root=$DATA" steps=40 batch_size=32 log_freq=10 logging.progress_bar=false
         policy.dim_model=512 policy.n_heads=8 policy.dim_feedforward=2048 policy.observation_keys='[observation.state,observation.image]')
@@ -103,4 +184,7 @@ run act_fsdp_bf16_eager      "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixe
 run act_fsdp_bf16_compile_ac "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 policy.dropout=0 \
     accelerator.compile=true accelerator.activation_checkpointing=true
 same_losses act_fsdp_bf16_compile_ac act_fsdp_bf16_eager 5e-2  # bf16: rounding differences are larger
+sync_check "one GPU" $PY "$SYNC_PROBE"
+sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
+    parallelism.dp_shard=-1
 echo "gpu_check done"

@@ -1,6 +1,6 @@
 """The run ledger, the run's one time series: ``<run>/ledger.jsonl``, one ``{"kind": ..., **asdict(record)}`` line
-per process start (``StartRecord``) and per logged interval (``IntervalRecord``: every ``log_freq`` loop steps, each
-checkpoint and the last step). Lines are flushed as written and fsynced at checkpoints and at close: a crash loses at
+per process start (``StartRecord``), per logged interval (``IntervalRecord``: every ``log_freq`` loop steps, each
+checkpoint and the last step) and per stop on a signal (``StopRecord``: Ctrl-C, SIGTERM, preemption). Lines are flushed as written and fsynced at checkpoints and at close: a crash loses at
 most the lines since the last checkpoint, which the resume from it writes again. A resumed run appends; its records
 replace earlier attempts' past its resume step.
 """
@@ -51,6 +51,19 @@ class IntervalRecord:
     updates: tuple[UpdateDigest, ...] = ()
 
 
+@dataclass(frozen=True)
+class StopRecord:
+    """The run stopped on a signal, after the checkpoint of ``progress.step`` (lerobot_mg.launch.preemption)."""
+
+    time: float
+    progress: Progress
+    signal: str  # SIGINT, SIGTERM, or submitit's preemption signal
+    checkpoint: str | None  # the checkpoint written at the stop (None: checkpoint.save_checkpoint=false)
+    requeued: bool = False  # a preempted SLURM job handed back to the queue
+
+    kind = "stop"
+
+
 class RunLedger:
     """Appends records; only the main process writes (every method is a no-op elsewhere)."""
 
@@ -65,9 +78,9 @@ class RunLedger:
                 self._file.write(b"\n")  # a crash left a torn line: the next record starts a line of its own
             self.sync()  # a new file's directory entry, too
 
-    def write(self, record: StartRecord | IntervalRecord) -> None:
+    def write(self, record: StartRecord | IntervalRecord | StopRecord) -> None:
         if self._file is not None:
-            kind = record.kind if isinstance(record, StartRecord) else "interval"
+            kind = "interval" if isinstance(record, IntervalRecord) else record.kind
             self._file.write(json.dumps({"kind": kind, **asdict(record)}).encode() + b"\n")
             self._file.flush()
 
@@ -95,6 +108,7 @@ class Segment:
 
     start: StartRecord
     intervals: tuple[IntervalRecord, ...]
+    stop: StopRecord | None = None  # the segment ended on a signal
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,8 @@ class RunRecord:
         cutoff = math.inf
         for segment in reversed(self.segments):
             if segment.start.progress.step < cutoff:
-                kept.append(Segment(segment.start, tuple(r for r in segment.intervals if r.progress.step <= cutoff)))
+                kept.append(Segment(segment.start, tuple(r for r in segment.intervals if r.progress.step <= cutoff),
+                                    segment.stop))
             cutoff = min(cutoff, segment.start.progress.step)
         return tuple(reversed(kept))
 
@@ -151,16 +166,18 @@ def read_ledger(run_dir: Path) -> RunRecord:
                          "Fix: pass the directory that holds checkpoints/ and train_config.json")
     lines = [(number, _parse(line)) for number, line in enumerate(path.read_text("utf-8").splitlines(), 1)
              if line.strip()]
-    attempts: list[tuple[StartRecord, list[IntervalRecord]]] = []
+    attempts: list[tuple[StartRecord, list[IntervalRecord], list[StopRecord]]] = []
     for position, (number, record) in enumerate(lines):
         kind = record.pop("kind", None) if record is not None else None
         try:
             if kind in ("start", "resume"):
-                attempts.append((from_dict(StartRecord, record), []))
+                attempts.append((from_dict(StartRecord, record), [], []))
             elif kind == "interval" and attempts:
                 attempts[-1][1].append(from_dict(IntervalRecord, record))
+            elif kind == "stop" and attempts:
+                attempts[-1][2].append(from_dict(StopRecord, record))
             elif record is not None:
-                raise ConfigError(f"{path}:{number}: expected a start, resume or interval record after a start "
+                raise ConfigError(f"{path}:{number}: expected a start, resume, interval or stop record after a start "
                                  f"record, got kind {kind!r}. Fix: restore the ledger, or compare another run")
             elif position + 1 < len(lines) and (lines[position + 1][1] or {}).get("kind") not in ("start", "resume"):
                 raise ConfigError(f"{path}:{number}: unreadable line in the middle of a run segment; only a crash's "
@@ -171,7 +188,8 @@ def read_ledger(run_dir: Path) -> RunRecord:
     if not attempts:
         raise ConfigError(f"{path}: holds no start record, the run never started training. Fix: compare a run "
                           "that trained")
-    return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals)) for start, intervals in attempts))
+    return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals), stops[-1] if stops else None)
+                                          for start, intervals, stops in attempts))
 
 
 def _parse(line: str) -> dict[str, Any] | None:

@@ -9,10 +9,13 @@ written last) :mod:`~lerobot_mg.checkpoint.resume`'s, a disk that refuses the sa
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import random
 import shutil
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -76,6 +80,21 @@ def _tree_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
+# Managers with a background writer, so that a run that fails can release them (release_background_writers).
+_WITH_WRITER: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def release_background_writers() -> None:
+    """For a run that raised (a point of a local sweep, before the next one starts): let each background save in
+    flight finish and complete it (a consistent state it staged before the failure stays a checkpoint), then stop
+    the writer threads. Errors are logged, not raised: the run already failed with its own."""
+    for manager in list(_WITH_WRITER):
+        try:
+            manager.close()
+        except Exception as error:  # the save's own failure (a full disk, a lost peer): the run failed anyway
+            logger.warning("The background checkpoint save in flight failed while the run stopped: %r", error)
+
+
 @dataclass
 class _InFlight:
     """A save whose files are still being written (by the background writer, or by this thread)."""
@@ -118,6 +137,8 @@ class CheckpointManager:
         self._files = CheckpointFiles(CheckpointFormat(checkpoint_format), dims, adapter, self._group)
         self._disk = DiskGuard(self.root, dims)
         self._in_flight: _InFlight | None = None
+        if self._writer is not None:
+            _WITH_WRITER.add(self)
         if dims.is_main_process:
             self._remove_partial_saves()
 
@@ -219,11 +240,19 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the save in flight and stop the background writer."""
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self.close_writer()
+
+    def close_writer(self) -> None:
+        """Stop the background writer (after the save in flight, if any, was written or failed)."""
+        _WITH_WRITER.discard(self)
         if self._writer is not None:
             self._writer.shutdown()
         if self._stager is not None:
             self._stager.close()
+            self._stager = None
 
     def _finish(self, in_flight: _InFlight) -> None:
         """Main process: mark the checkpoint complete, move ``last`` to it, prune, and log what it cost."""
@@ -289,7 +318,21 @@ class CheckpointManager:
         if len(per_rank) == self.dims.world_size:
             restore_rng_state(per_rank[self.dims.rank])
         else:
-            # Another world size: ranks cannot inherit streams one to one. Reuse rank r mod saved ranks so
-            # runs stay reproducible; the sampler decides data order on its own (seed, epoch) anyway.
-            restore_rng_state(per_rank[self.dims.rank % len(per_rank)])
+            # Another world size: ranks cannot inherit the streams one to one (after N -> 2N, ranks r and r + N
+            # would draw the same dropout). Each rank seeds a stream of its own from the saved stream of rank
+            # r mod N and its rank: reproducible, and distinct across ranks. The sampler decides data order on its
+            # own (seed, epoch) anyway.
+            seed_rank_streams(per_rank[self.dims.rank % len(per_rank)], self.dims.rank)
         _barrier(self.dims)
+
+
+def seed_rank_streams(saved: dict[str, torch.Tensor], rank: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) from a digest of a saved RNG state and ``rank``."""
+    digest = hashlib.sha256(str(rank).encode())
+    for name in sorted(saved):
+        digest.update(name.encode())
+        digest.update(saved[name].contiguous().view(torch.uint8).numpy().tobytes())
+    seed = int.from_bytes(digest.digest()[:8], "little") >> 1
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)  # every CUDA device's generator too

@@ -265,6 +265,12 @@ class TrainConfig:
     # Print the memory plan of the composed layout (per-rank bytes by component, wrap units, effective batch) and
     # exit 0, before any process group exists; nothing is trained or written.
     plan: bool = False
+    # With plan=true: plan the layout of a job of this many ranks from one process (e.g. on a login node), instead
+    # of the world the launcher started.
+    plan_world_size: int | None = None
+    # With plan=true: the memory of one rank's device, in GiB, to check the plan's fit against (None: this
+    # machine's GPU, or its host RAM for a CPU run).
+    plan_device_memory_gib: float | None = None
 
 
 def register_configs() -> None:

@@ -57,6 +57,14 @@ def _dead_workers(iterator: Iterator[Any]) -> list[str]:
     return dead
 
 
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A worker ignores SIGINT and SIGTERM: Ctrl-C reaches the terminal's whole process group and torchrun signals
+    each rank's process group, but the training process decides when to stop (after a checkpoint, which needs the
+    workers' batches until then). A worker still exits when the training process shuts it down or dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSampler, num_workers: int,
                     pin_memory: bool) -> Iterator[dict[str, Any]]:
     """Endless batches, each with its samples' seeds; one DataLoader pass per epoch, starting at the sampler's
@@ -69,7 +77,8 @@ def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSa
     """
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
-        pin_memory=pin_memory, generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
+        pin_memory=pin_memory, worker_init_fn=_leave_stop_signals_to_the_trainer,
+        generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
     )
     while True:
         epoch = sampler.epoch  # the sampler reads its position when the pass starts, as here

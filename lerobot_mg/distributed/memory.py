@@ -3,7 +3,8 @@
 Two sides of one account. :func:`rank_bytes` measures them on a prepared model (``rank_bytes.json`` at the end of a
 run); :func:`plan_memory` predicts them before anything exists, from a parameter-less (meta-device) copy of the
 policy and the layout, so a run that cannot fit is refused at start-up (:func:`check_fits`) and ``plan=true``
-prints the plan and exits.
+prints the plan, whether it fits (:func:`fit_verdict`), and exits. ``plan_world_size=N`` plans a world of N ranks
+from one process: the arithmetic needs no process group.
 
 What the plan counts, per rank, as the trainer builds it:
 
@@ -175,6 +176,8 @@ class MemoryPlan:
     batch: BatchArithmetic
     facts: tuple[ParamFact, ...]
     upcast_trainable: bool
+    # What the plan=true printout checks the fit against (None: not checked, e.g. a GPU plan made without a GPU).
+    budget: MemoryBudget | None = None
 
     @property
     def on_device(self) -> bool:
@@ -203,11 +206,33 @@ class MemoryPlan:
         lines = [f"memory plan: {self.topology.describe()}; {self.batch.describe()}",
                  f"  wrap units ({self.unit_rule}): {len(self.units)}" + (f", e.g. {self.units[-1]}" if self.units
                                                                             else "")]
-        lines += [f"  rank {rank} ({where}): parameters {held.parameters / mib:.3f} MiB (trainable "
+        # Beyond 8 ranks, the ranks that hold the same bytes share a line (not one line per rank of a large world).
+        groups: dict[RankBytes, list[int]] = {}
+        for rank, held in enumerate(self.per_rank):
+            groups.setdefault(held, []).append(rank)
+        labelled = ([(f"rank {rank}", held) for rank, held in enumerate(self.per_rank)] if len(self.per_rank) <= 8
+                    else [(_rank_ranges(ranks), held) for held, ranks in groups.items()])
+        lines += [f"  {label} ({where}): parameters {held.parameters / mib:.3f} MiB (trainable "
                   f"{held.trainable_parameters / mib:.3f}) + gradients {held.gradients / mib:.3f} + optimizer state "
-                  f"{held.optimizer_state / mib:.3f} = {held.total / mib:.3f} MiB"
-                  for rank, held in enumerate(self.per_rank)]
+                  f"{held.optimizer_state / mib:.3f} = {held.total / mib:.3f} MiB" for label, held in labelled]
+        if self.budget is None:
+            lines.append("  fit: not checked (no GPU here to compare with): plan_device_memory_gib=<GiB of one GPU>")
+        else:
+            fits, problem, fix = fit_verdict(self, self.budget)
+            lines.append(f"  fit: {problem}" if fits else f"  does not fit: {problem}. Layouts that fit: {fix}")
         return lines
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``ranks 0-4, 8-12, 16-20, ... (40 ranks)``: runs of consecutive ranks, the first three of them."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:3]) + (", ..." if len(runs) > 3 else "")
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}" + (f" ({len(ranks)} ranks)" if len(runs) > 1 else "")
 
 
 def plan_memory(cfg: TrainConfig, dims: ParallelDims, policy: nn.Module) -> MemoryPlan:
@@ -235,20 +260,33 @@ def memory_budget(on_device: bool, local_rank: int) -> MemoryBudget:
     return MemoryBudget(available, "available host RAM", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def check_fits(plan: MemoryPlan, budget: MemoryBudget) -> None:
-    """Raise a ConfigError when this node's ranks would hold more than ``budget``, with the layouts that fit."""
+def given_budget(gib: float) -> MemoryBudget:
+    """``plan_device_memory_gib``: the memory one rank trains in (its GPU's; host RAM for a CPU or offloaded run)."""
+    return MemoryBudget(int(gib * 2**30), f"plan_device_memory_gib={gib:g}", 1)
+
+
+def fit_verdict(plan: MemoryPlan, budget: MemoryBudget) -> tuple[bool, str, str]:
+    """(fits, what the busiest rank needs against ``budget``, the layouts of this world size that fit)."""
     need = plan.busiest.total * budget.ranks_sharing
-    if need <= budget.free_bytes:
-        return
     gib = 2**30
     fitting = [option for option in plan.options()
                if (option.cpu_offload and not plan.cpu_offload) or option.per_rank.total * budget.ranks_sharing <= budget.free_bytes]
     held = plan.busiest
+    fits = need <= budget.free_bytes
     problem = (f"each rank holds {held.total / gib:.2f} GiB of training state (parameters {held.parameters / gib:.2f}"
                f" + gradients {held.gradients / gib:.2f} + optimizer state {held.optimizer_state / gib:.2f}), "
-               f"x {budget.ranks_sharing} rank(s) = {need / gib:.2f} GiB > {budget.what} {budget.free_bytes / gib:.2f}"
-               " GiB; mixed precision would not shrink it (fp32 master weights, gradients and moments)")
+               f"x {budget.ranks_sharing} rank(s) = {need / gib:.2f} GiB {'<=' if fits else '>'} {budget.what} "
+               f"{budget.free_bytes / gib:.2f} GiB")
+    if not fits:
+        problem += "; mixed precision would not shrink it (fp32 master weights, gradients and moments)"
     fix = ("; ".join(f"{o.override()} ({o.per_rank.total / gib:.2f} GiB per rank"
                      + (", in host RAM" if o.cpu_offload else "") + ")" for o in fitting)
            or "no layout of this world size fits: more ranks (a larger dp_shard), LoRA (peft=lora) or a smaller policy")
-    raise config_error("parallelism.dp_shard", plan.topology.dp_shard, problem, fix)
+    return fits, problem, fix
+
+
+def check_fits(plan: MemoryPlan, budget: MemoryBudget) -> None:
+    """Raise a ConfigError when this node's ranks would hold more than ``budget``, with the layouts that fit."""
+    fits, problem, fix = fit_verdict(plan, budget)
+    if not fits:
+        raise config_error("parallelism.dp_shard", plan.topology.dp_shard, problem, fix)

@@ -11,18 +11,21 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 
 
 class IntervalMetrics:
-    """Per-rank sums over one log interval; :meth:`reduce` averages them over ranks and steps."""
+    """Per-rank sums over one log interval; :meth:`reduce` averages them over ranks and steps. Values that are
+    device tensors are summed on the device and read only at :meth:`reduce` (once per log step)."""
 
     def __init__(self, dims: ParallelDims, device: torch.device):
         self.dims, self.device = dims, device
         self.start = time.perf_counter()
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, float | torch.Tensor] = {}
         self._num_steps = 0
         self._num_samples = 0
 
-    def add(self, values: dict[str, float], num_samples: int) -> None:
+    def add(self, values: dict[str, float | torch.Tensor], num_samples: int) -> None:
         for key, value in values.items():
-            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            if isinstance(value, torch.Tensor):  # float64, as the Python floats: the same sums either way
+                value = value.detach().to(torch.float64)
+            self._sums[key] = self._sums.get(key, 0.0) + value
         self._num_steps += 1
         self._num_samples += num_samples
 
@@ -35,11 +38,15 @@ class IntervalMetrics:
         below 2**53, e.g. digest halves) summed over ranks in the same all-reduce. Collective: every rank must call
         it at the same loop step, with as many ``exact_sums``. Resets the interval."""
         keys, extra = sorted(self._sums), list(exact_sums or [])
+        on_device = {i: self._sums[k] for i, k in enumerate(keys) if isinstance(self._sums[k], torch.Tensor)}
         packed = torch.tensor(
-            [self._sums[k] for k in keys] + extra + [float(self._num_steps), float(self._num_samples)],
+            [0.0 if i in on_device else self._sums[k] for i, k in enumerate(keys)] + extra
+            + [float(self._num_steps), float(self._num_samples)],
             dtype=torch.float64,
             device=self.device,
         )
+        for i, total in on_device.items():
+            packed[i] = total
         if self.dims.is_distributed:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         elapsed = time.perf_counter() - self.start

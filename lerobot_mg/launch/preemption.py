@@ -1,13 +1,22 @@
-"""Preemption and time limits under submitit: every rank saves a normal checkpoint, then the job is requeued.
+"""Stopping a run on a signal without losing work: Ctrl-C (SIGINT), SIGTERM, and SLURM preemption under submitit.
 
-submitit's signal (USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another) reaches every SLURM task, but only
-global rank 0 runs submitit's handler, which re-pickles the submission, calls ``scontrol requeue`` and exits
-on the spot: a collective save inside that handler would deadlock, and exiting there loses every step since
-the last periodic checkpoint. So each rank only records the signal; at the next accumulation boundary the
-ranks agree on it with one all-reduce of a flag, all ranks write a normal collective checkpoint, and only
-then does submitit's own handler run (rank 0 requeues, the others return and exit). The requeued job starts
-``train()`` again with the original arguments and resumes from ``checkpoints/last`` by itself
-(:mod:`lerobot_mg.launch.sweep`); :data:`PREEMPTION_RECORD` tells it why it stopped.
+A signal handler may not communicate or block, and a rank that stops alone leaves its peers waiting in a collective.
+So each rank only records the signal, the ranks agree on it at an accumulation boundary, every rank writes a
+normal, blocking checkpoint there, and only then does the run leave:
+
+- SIGINT and SIGTERM (Ctrl-C; ``kill``; what torchrun forwards to its workers when it gets either; Kubernetes,
+  ``scancel`` and SLURM's time limit under ``srun``): the main process prints ``stopped at loop step N on SIGTERM:
+  checkpoint <dir>; resume with: <command>`` and every rank exits with status 128 + the signal's number. A second
+  SIGINT or SIGTERM stops the process at once, without a checkpoint.
+- submitit's preemption signal (USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another) reaches every SLURM task,
+  but only global rank 0 runs submitit's handler, which re-pickles the submission, calls ``scontrol requeue`` and
+  exits on the spot: a collective save inside it would deadlock. So the handler runs only after the checkpoint
+  (rank 0 requeues, the others exit 0). The requeued job starts ``train()`` again with the original arguments and
+  resumes from ``checkpoints/last`` by itself (:mod:`lerobot_mg.launch.sweep`); :data:`PREEMPTION_RECORD` tells it
+  why it stopped.
+
+The ledger gets a ``stop`` record with the cause. How the ranks agree without stalling the device: see
+:meth:`PreemptionWatch.agreed`.
 """
 
 from __future__ import annotations
@@ -15,22 +24,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from lerobot_mg.accounting.ledger import RunLedger, StopRecord
+from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.distributed.parallel_dims import ParallelDims
-from lerobot_mg.run_facts import ResumeCause
+from lerobot_mg.run_facts import Progress, ResumeCause
 
 logger = logging.getLogger(__name__)
 
 PREEMPTION_RECORD = "preemption.json"
 _PREEMPT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"  # submitit's own variable: it installs its handler on this signal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -54,61 +70,154 @@ def _submitit_will_requeue(handler: object) -> bool:
 
 
 class PreemptionWatch:
-    """Records the preemption signal on this rank and tells all ranks, together, when to stop.
+    """Records SIGINT, SIGTERM and submitit's preemption signal on this rank, and tells all ranks, together, when
+    to stop (:meth:`agreed`) and how (:meth:`leave`).
 
-    Inactive (never stops, never communicates) unless submitit installed its requeue handler on the signal, which
-    is the same on every rank of a job.
+    The preemption signal is watched only where submitit installed its requeue handler on it (the same on every rank
+    of a job). Constructing the watch is collective in a distributed run (it creates a small gloo group for the flag).
     """
 
-    def __init__(self, dims: ParallelDims, device: torch.device, accumulation_steps: int):
-        self.dims, self.device, self.accumulation_steps = dims, device, accumulation_steps
+    def __init__(self, dims: ParallelDims, accumulation_steps: int, group_timeout: timedelta | None = None):
+        self.dims, self.accumulation_steps = dims, accumulation_steps
         self.signum = preemption_signal()
-        self.received_at: float | None = None
+        self.received_at: float | None = None  # the preemption signal
+        self.stop_signal: signal.Signals | None = None  # the first SIGINT/SIGTERM
+        self._previous: dict[int, object] = {}
         self._submitit_handler = signal.getsignal(self.signum)
         self.active = _submitit_will_requeue(self._submitit_handler)
-        if self.active:
-            signal.signal(self.signum, self._record)
+        self.cause: signal.Signals | None = None  # what the ranks agreed to stop for
+        self._leaving = False  # the stop is under way: a signal that arrives late changes nothing
+        if threading.current_thread() is threading.main_thread():  # only the main thread may install handlers
+            for signum in {*STOP_SIGNALS, *([self.signum] if self.active else [])}:
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._record)
+        # A host-side group: the flag's all-reduce never waits for the device (see agreed()).
+        self._group = dist.new_group(backend="gloo", timeout=group_timeout) if dims.is_distributed else None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def _record(self, signum: int, frame: object) -> None:
-        if self.received_at is None:  # a handler only sets a flag: nothing here may block or communicate
-            self.received_at = time.time()
+        # A handler only sets a flag: nothing here may block or communicate.
+        if self._leaving:
+            return
+        if self.active and signum == self.signum:
+            if self.received_at is None:
+                self.received_at = time.time()
+            return
+        if self.stop_signal is not None:  # the second Ctrl-C / TERM: the user does not want to wait for the save
+            os.write(2, f"\n{signal.Signals(signum).name} again: stopping now, without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        self.stop_signal = signal.Signals(signum)
+        if self.dims.is_main_process:
+            os.write(2, f"\n{self.stop_signal.name} received: saving a checkpoint at the next optimizer update, then "
+                        "stopping (send it again to stop at once, without one)\n".encode())
 
     def uninstall(self) -> None:
-        if self.active and getattr(signal.getsignal(self.signum), "__self__", None) is self:
-            signal.signal(self.signum, self._submitit_handler)
+        """Put back the handlers the watch replaced (submitit's, or the defaults)."""
+        for signum, previous in self._previous.items():
+            if getattr(signal.getsignal(signum), "__self__", None) is self:
+                signal.signal(signum, previous)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def finish(self) -> None:
+        """After the last loop step: wait for the flag exchange still in flight (every rank started it), so the
+        process groups are idle when they are destroyed. Collective in effect: every rank calls it."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def _flags(self) -> torch.Tensor:
+        return torch.tensor([self.received_at is not None, 0 if self.stop_signal is None else int(self.stop_signal)],
+                            dtype=torch.int32)
 
     def agreed(self, loop_step: int) -> bool:
-        """True on every rank once any rank has received the signal, at accumulation boundaries only (gradients
-        inside a window are not checkpointed). Collective: every rank must call it after every loop step.
+        """True on every rank once any rank has received a signal, at accumulation boundaries only (gradients inside
+        a window are not checkpointed); :attr:`cause` names the signal. Collective: every rank must call it after
+        every loop step.
 
-        One all-reduce of a 4-byte flag per boundary, rather than waiting for the next log step's metric reduction
-        (up to log_freq steps later, possibly past the signal delay): measured at about 1 ms on 4 gloo ranks of a
-        loaded 2-core host, against 190-340 ms for a loop step of the debug preset there; the loop already
-        synchronises with the device every step (the loss is read), so it adds no new stall on a GPU."""
-        if not self.active or loop_step % self.accumulation_steps:
+        No device synchronisation: the flags are host memory, reduced over a gloo group of their own, and the
+        all-reduce started at one boundary is read at the next (it has long finished by then): the ranks agree one
+        accumulation boundary after the signal reached the last of them. In one process the flag is read at once."""
+        if loop_step % self.accumulation_steps:
             return False
-        flag = torch.tensor([self.received_at is not None], dtype=torch.int32, device=self.device)
-        if self.dims.is_distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
-        if stop and self.dims.is_main_process:
-            logger.warning("%s received: saving a checkpoint at loop step %d, then the job is requeued.",
-                           self.signum.name, loop_step)
-        return stop
+        if self._group is None:
+            decided = self._flags()
+        else:
+            decided = None
+            if self._pending is not None:
+                work, decided = self._pending
+                work.wait()
+            flags = self._flags()
+            self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flags)
+            if decided is None:
+                return False
+        preempted, stop = (int(x) for x in decided.numpy())  # a host tensor: nothing waits for the device
+        if not (preempted or stop):
+            return False
+        self.cause = self.signum if preempted else signal.Signals(stop)
+        if self.dims.is_main_process:
+            logger.warning("%s received: saving a checkpoint at loop step %d, then %s.", self.cause.name, loop_step,
+                           "the job is requeued" if preempted else "the run stops")
+        return True
 
-    def requeue(self, output_dir: Path, loop_step: int) -> NoReturn:
-        """After the checkpoint of ``loop_step`` is complete on disk: hand the job back to SLURM. Does not return:
-        rank 0 requeues through submitit and exits, the other ranks exit."""
+    def leave(self, output_dir: Path, progress: Progress, saved: bool, rerun: list[str]) -> NoReturn:
+        """After the checkpoint of this loop step is complete on disk (``saved``; false when checkpoints are off):
+        record the stop in the ledger and leave. Does not return. ``rerun``: the arguments that resume this run
+        after a stop (see :func:`resume_command`)."""
+        self.finish()
+        step_dir = L.checkpoints_root(output_dir) / L.step_dir_name(progress.step)
+        assert self.cause is not None, "leave() before agreed() returned True"
+        self._leaving = True
+        if self.dims.is_main_process:
+            ledger = RunLedger(output_dir, True)
+            ledger.write(StopRecord(time.time(), replace(progress), self.cause.name,
+                                    str(step_dir) if saved else None, requeued=self.cause == self.signum))
+            ledger.close()
+        if self.cause == self.signum:
+            self.uninstall()
+            self._requeue(output_dir, progress.step)
+        if self.dims.is_main_process:
+            where = f"checkpoint {step_dir}" if saved else "no checkpoint (checkpoint.save_checkpoint=false)"
+            print(f"stopped at loop step {progress.step} on {self.cause.name}: {where}; resume with: "
+                  f"{shlex.join(rerun)}", flush=True)
+        raise SystemExit(128 + int(self.cause))
+
+    def _requeue(self, output_dir: Path, loop_step: int) -> NoReturn:
         if self.dims.is_main_process:
             record = PreemptionRecord(self.signum.name, loop_step, time.time(), os.environ.get("SLURM_JOB_ID"))
             (Path(output_dir) / PREEMPTION_RECORD).write_text(json.dumps(asdict(record)) + "\n")
-        self.uninstall()
         # submitit's handler: rank 0 re-pickles the submission, runs `scontrol requeue` and exits; other ranks return.
         self._submitit_handler(self.signum, None)  # type: ignore[operator]
         # Exit status 0: with srun --kill-on-bad-exit, a failing rank would get rank 0 killed before it requeues.
         print(f"rank {self.dims.rank}: stopped at loop step {loop_step} for {self.signum.name}; the job is requeued "
               "and resumes from checkpoints/last", flush=True)
         raise SystemExit(0)
+
+
+def _launcher_argv() -> list[str]:
+    """The command line that started this run: torchrun's (or ``accelerate launch``'s) for one of its workers."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker of torch's elastic agent: its parent is the launcher
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+            return [part.decode() for part in raw.split(b"\0") if part]
+        except OSError:
+            pass
+    return list(sys.orig_argv)
+
+
+def resume_command(output_dir: Path, step: int, sweep_dir: Path | None) -> list[str]:
+    """The command that resumes this run from its checkpoint of ``step``: the launcher's command line up to the
+    training script, then ``resume=true config_path=...``. A sweep point is resumed by running its sweep again
+    into the same sweep directory (every point resumes its own ``checkpoints/last``)."""
+    argv = _launcher_argv()
+    script = sys.argv[0]
+    if sweep_dir is not None:
+        return [*argv, f"hydra.sweep.dir={sweep_dir}"]
+    position = next((i for i, part in enumerate(argv) if part == script), None)
+    prefix = argv[: position + 1] if position is not None else [sys.executable, script]
+    if len(prefix) > 1 and not prefix[1].startswith("-") and not prefix[1].endswith(".py"):
+        prefix = prefix[1:]  # `python /venv/bin/torchrun ...`: the console script is what the user typed
+    config = L.checkpoints_root(output_dir) / L.step_dir_name(step) / L.PRETRAINED_MODEL_DIR / L.TRAIN_CONFIG_JSON
+    return [*prefix, "resume=true", f"config_path={config}"]
 
 
 def read_preemption_record(output_dir: Path) -> PreemptionRecord | None:

@@ -4,9 +4,11 @@ A local Hydra sweep runs every point in one Python process, one after another. E
 state that would leak into the next point: the default process group, accelerate's shared ``PartialState`` /
 ``AcceleratorState`` / ``GradientState`` (a second ``Accelerator`` with another precision refuses to build; the
 CPU rehearsal relabels the shared distributed type), environment variables accelerate writes (our environment
-guard would refuse the next run because of them), a wandb or trackio run still open after a failure, this run's log file
-handler, and the preemption signal handler. :func:`releases_run_state` tears all of it down when ``train()``
-returns or raises; every run seeds its RNGs itself at start.
+guard would refuse the next run because of them), a background checkpoint writer still writing when the run
+failed (its save is completed, then the thread stops), a wandb or trackio run still open after a failure, this
+run's log file handler, and the signal handlers of the stop watch (SIGINT, SIGTERM, preemption).
+:func:`releases_run_state` tears all of it down when ``train()`` returns or raises; every run seeds its RNGs itself
+at start.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import ParamSpec, TypeVar
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 
+from lerobot_mg.checkpoint.manager import release_background_writers
 from lerobot_mg.launch.preemption import PreemptionWatch
 
 RUN_LOG_FILENAME = "train.log"
@@ -53,7 +56,7 @@ def _detach_run_logs() -> None:
 
 
 def _restore_signal_handlers() -> None:
-    # The preemption watch replaced a handler; put back the one it replaced (submitit's, or the default).
+    # The stop watch replaced handlers; put back the ones it replaced (submitit's, or the defaults).
     for signum in signal.valid_signals():
         handler = signal.getsignal(signum)
         watch = getattr(handler, "__self__", None)
@@ -90,6 +93,7 @@ def release_run_state(environ_before: dict[str, str]) -> None:
     """Tear down everything a run set up in this process (see the module docstring). Safe to call after a
     run that failed anywhere, and when nothing was set up."""
     _restore_signal_handlers()
+    release_background_writers()  # before the process groups go: a DCP write uses one
     _finish_wandb()
     _finish_trackio()
     _detach_run_logs()

@@ -190,7 +190,7 @@ def scenario_wrap_checks_and_reduce_dtype() -> dict[str, Any]:
     logs = stepper.step(_toy_batch(0, dims.rank))
     result.update(
         units=units,
-        loss=logs.losses["loss"],
+        loss=float(logs.losses["loss"]),  # StepLogs holds device tensors
         reduce_dtypes_unset=recorder.dtypes,
         sharded_param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
     )
@@ -316,13 +316,13 @@ def _fp16_overflow(dp_shard: int) -> dict[str, Any]:
         result["steps"].append(
             {
                 "synced": logs.synced,
-                "skipped": logs.skipped,
+                "skipped": bool(logs.skipped),  # StepLogs holds device tensors
                 "weights_changed": any(not torch.equal(before[name], after[name]) for name in before),
                 "scale": accelerator.scaler.get_scale(),
-                "loss": logs.losses["loss"],
+                "loss": float(logs.losses["loss"]),
             }
         )
-        return logs.skipped
+        return bool(logs.skipped)
 
     # The default initial scale (2**16) overflows these fp16 gradients: real runs skip their first steps too.
     step = 0

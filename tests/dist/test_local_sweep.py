@@ -102,3 +102,60 @@ def test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run(layout_run: Cal
         assert placement["shard_groups_within_nodes"] and placement["replication_across_nodes"]
         assert ("shard groups [[0, 1], [2, 3]] each within one node; replicate groups [[0, 2], [1, 3]] across "
                 "nodes") in (run_dir / "train.log").read_text()
+
+
+# The trainer, with every background checkpoint write held back until the fault drill has fired: the first point
+# fails while its save is in flight. Prints the threads left once the sweep is over.
+_HELD_WRITE_PROBE = '''
+import threading
+
+from lerobot_mg import drills
+from lerobot_mg.checkpoint.manager import CheckpointManager
+from lerobot_mg.scripts_entry import train
+
+fired = threading.Event()
+_write, _after_backward = CheckpointManager._write, drills.FaultDrill.after_backward
+
+
+def held_write(self, writes, tmp):
+    fired.wait(120)
+    _write(self, writes, tmp)
+
+
+def after_backward(self):
+    try:
+        _after_backward(self)
+    finally:
+        if self._steps_seen == self.step:
+            fired.set()
+
+
+CheckpointManager._write, drills.FaultDrill.after_backward = held_write, after_backward
+try:
+    train()
+finally:
+    print("threads left:", sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()),
+          flush=True)
+'''
+
+
+def test_a_point_that_fails_during_a_background_save_releases_its_writer(tmp_path: Path) -> None:
+    """One process, two points: the first (steps=4) fails at loop step 3 while its step-2 save is still being
+    written in the background; the second (steps=2, which never reaches the drill's step) trains and saves. The
+    first point's save completes (what it staged before the failure is a checkpoint), and no writer thread is
+    left behind."""
+    from lerobot_mg.drills import FAULT_ENV
+    from tests.launch_utils import TINY_RUN, run_train
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_HELD_WRITE_PROBE)
+    sweep_dir = tmp_path / "sweep"
+    proc = run_train(["-m", *TINY_RUN, "steps=4,2", "checkpoint.save_freq=2", "checkpoint.async_save=true",
+                      f"hydra.sweep.dir={sweep_dir}"], timeout=240, env={FAULT_ENV: "raise@rank0:step3"},
+                     script=probe, check=False)
+    out = proc.stdout
+    assert proc.returncode != 0 and "sweep job #0 (" in out and "FaultDrillError" in out, out[-4000:]
+    assert _last_step(sweep_dir / "0") == 2  # the save in flight at the failure was completed
+    assert _last_step(sweep_dir / "1") == 2  # the second point trained to its end
+    threads = next(line for line in out.splitlines() if line.startswith("threads left:"))
+    assert "checkpoint-writer" not in threads, threads

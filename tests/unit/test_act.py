@@ -72,7 +72,8 @@ def seeded_loss(
 ) -> tuple[torch.Tensor, dict]:
     # Dropout and the VAE sample draw from the global RNG: reseed so two calls see the same noise.
     torch.manual_seed(seed)
-    return policy(batch)
+    loss, logs = policy(batch)
+    return loss, {key: float(value) for key, value in logs.items()}  # device tensors, read here
 
 
 @pytest.mark.parametrize("input_features", [STATE_ONLY_INPUTS, IMAGE_INPUTS], ids=["state_only", "image"])
@@ -127,8 +128,8 @@ def test_l1_counts_padded_positions_as_zero_error_so_samples_weigh_equally() -> 
     batch = make_batch(STATE_ONLY_INPUTS, num_padded=2)
     with torch.no_grad():
         prediction = policy.model(batch)[0]
-        _, logs = policy(batch)
-        per_sample = [policy({k: v[i : i + 1] for k, v in batch.items()})[1]["l1_loss"] for i in range(BATCH)]
+        logs = seeded_loss(policy, batch)[1]
+        per_sample = [float(policy({k: v[i : i + 1] for k, v in batch.items()})[1]["l1_loss"]) for i in range(BATCH)]
     error = (prediction - batch["action"]).abs()
     error[:, CHUNK - 2 :] = 0.0
     assert logs["l1_loss"] == pytest.approx(error.mean().item(), rel=1e-5)  # the same 60 fp32 terms, maybe summed in another order

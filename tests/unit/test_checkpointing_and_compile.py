@@ -187,7 +187,7 @@ def _losses(compile_units: bool, dims: ParallelDims, num_steps: int) -> list[flo
     for _ in range(num_steps):
         batch = {"observation.state": torch.randn(8, 4, generator=generator),
                  "action": torch.randn(8, 2, generator=generator)}
-        losses.append(stepper.step(batch).losses["loss"])
+        losses.append(float(stepper.step(batch).losses["loss"]))  # StepLogs holds device tensors
     return losses
 
 

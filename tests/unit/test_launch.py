@@ -12,7 +12,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.distributed.accelerator import build_accelerator
@@ -118,12 +117,12 @@ def test_the_watch_records_the_signal_and_stops_at_accumulation_boundaries(monke
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")  # submitit's variable moves the watch too
     dims = ParallelDims.resolve(1, 1, 1)
     previous = signal.getsignal(signal.SIGUSR1)
-    assert not PreemptionWatch(dims, torch.device("cpu"), 2).active  # no submitit handler: nothing to requeue
+    assert not PreemptionWatch(dims, 2).active  # no submitit handler: nothing to requeue
 
     submitit_handler = SignalHandler.__new__(SignalHandler)  # stands for the handler submitit installs in a job
     signal.signal(signal.SIGUSR1, submitit_handler.checkpoint_and_try_requeue)
     try:
-        watch = PreemptionWatch(dims, torch.device("cpu"), accumulation_steps=2)
+        watch = PreemptionWatch(dims, accumulation_steps=2)
         assert watch.active and not watch.agreed(2)
         os.kill(os.getpid(), signal.SIGUSR1)  # delivered to this (main) thread before kill returns
         assert watch.received_at is not None

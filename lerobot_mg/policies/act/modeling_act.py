@@ -325,8 +325,9 @@ class ACTPolicy(PreTrainedPolicy):
                 f"policy.chunk_size={self.config.chunk_size}; load action chunks of chunk_size frames."
             )
 
-    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """L1 over action positions (padded ones count as zero error) + kl_weight * KL (when the VAE ran)."""
+    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """L1 over action positions (padded ones count as zero error) + kl_weight * KL (when the VAE ran). The
+        logged parts are detached tensors on the loss's device: reading them would wait for the device."""
         self._check_inputs(batch, need_action=True)
         actions_hat_BTA, mu, log_sigma_x2 = self.model(batch)
         target_BTA = batch["action"]
@@ -346,11 +347,11 @@ class ACTPolicy(PreTrainedPolicy):
             # KL(N(mu, sigma) || N(0, 1)) summed over latent dims, averaged over the batch.
             kld_loss = (-0.5 * (1 + log_sigma_x2 - mu.pow(2) - log_sigma_x2.exp())).sum(-1).mean()
             loss = l1_loss + self.config.kl_weight * kld_loss
-            kld_value = kld_loss.item()
+            kld_value = kld_loss.detach()
         else:
             loss = l1_loss
-            kld_value = 0.0
-        return loss, {"l1_loss": l1_loss.item(), "kld_loss": kld_value}
+            kld_value = torch.zeros((), device=l1_loss.device)
+        return loss, {"l1_loss": l1_loss.detach(), "kld_loss": kld_value}
 
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict[str, Tensor]) -> Tensor:
