@@ -86,3 +86,17 @@ class DiskGuard:
         return (f"could not write checkpoint {tmp}: {problem}; it needs about {needed:,} bytes on this rank; "
                 f"{previous}. Fix: free space (or fix the permissions) under {self.root}, or resume into another "
                 "output_dir")
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(directory: Path) -> int:
+    """Bytes of the files under ``directory``."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())

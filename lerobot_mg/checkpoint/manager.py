@@ -9,10 +9,8 @@ written last) :mod:`~lerobot_mg.checkpoint.resume`'s, a disk that refuses the sa
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import random
 import shutil
 import time
 import weakref
@@ -24,7 +22,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -32,14 +29,14 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.disk import DiskGuard
+from lerobot_mg.checkpoint.disk import DiskGuard, fsync_dir, tree_bytes
 from lerobot_mg.checkpoint.formats import AdapterFiles, CheckpointFiles, tensor_bytes
 from lerobot_mg.checkpoint.resume import write_training_step
 from lerobot_mg.checkpoint.state import (
-    capture_rng_state,
+    gather_rng_states,
     pack_rank_states,
     read_json,
-    restore_rng_state,
+    restore_rank_rng,
     scheduler_state_from_json,
     scheduler_state_to_json,
     unpack_rank_states,
@@ -66,18 +63,6 @@ class SaveItems:
 def _barrier(dims: ParallelDims) -> None:
     if dims.is_distributed:
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tree_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
 # Managers with a background writer, so that a run that fails can release them (release_background_writers).
@@ -185,7 +170,7 @@ class CheckpointManager:
             self._write(writes, tmp)
         else:
             in_flight.future = self._writer.submit(self._write, writes, tmp)
-        rng_states = self._gather_rng_states()
+        rng_states = gather_rng_states(self.dims.is_distributed)
         if main:
             with self._disk.errors(tmp):
                 save_file(pack_rank_states(rng_states), str(training_state / L.RNG_STATE))
@@ -259,8 +244,8 @@ class CheckpointManager:
         name, tmp = L.step_dir_name(in_flight.step), in_flight.tmp
         training_state = tmp / L.TRAINING_STATE_DIR
         write_training_step(training_state, in_flight.training_step)  # the completion marker, last
-        _fsync_dir(training_state)
-        num_bytes = _tree_bytes(tmp)
+        fsync_dir(training_state)
+        num_bytes = tree_bytes(tmp)
         final = self.root / name
         replaced = None
         if final.exists():
@@ -274,7 +259,7 @@ class CheckpointManager:
             link_tmp.unlink()
         link_tmp.symlink_to(name)
         os.replace(link_tmp, self.root / L.LAST_LINK)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if replaced is not None:
             shutil.rmtree(replaced)
         self._prune(keep=name)
@@ -282,14 +267,6 @@ class CheckpointManager:
         how = (f"training blocked {in_flight.blocked_s:.2f} s, {in_flight.staged_bytes / 2**20:.1f} MiB staged in host "
                "memory" if in_flight.future is not None else "synchronous")
         logger.info("Checkpoint %s: %.2f MiB written in %.2f s (%s).", final, num_bytes / 2**20, seconds, how)
-
-    def _gather_rng_states(self) -> list[dict[str, torch.Tensor]]:
-        mine = capture_rng_state()
-        if not self.dims.is_distributed:
-            return [mine]
-        gathered: list[Any] = [None] * self.dims.world_size
-        dist.all_gather_object(gathered, mine)
-        return gathered
 
     def _prune(self, keep: str) -> None:
         if self.keep_last is None:
@@ -314,25 +291,6 @@ class CheckpointManager:
         if scaler is not None and (training_state / L.SCALER_STATE).is_file():
             scaler.load_state_dict(read_json(training_state / L.SCALER_STATE))
 
-        per_rank = unpack_rank_states(load_file(str(training_state / L.RNG_STATE)))
-        if len(per_rank) == self.dims.world_size:
-            restore_rng_state(per_rank[self.dims.rank])
-        else:
-            # Another world size: ranks cannot inherit the streams one to one (after N -> 2N, ranks r and r + N
-            # would draw the same dropout). Each rank seeds a stream of its own from the saved stream of rank
-            # r mod N and its rank: reproducible, and distinct across ranks. The sampler decides data order on its
-            # own (seed, epoch) anyway.
-            seed_rank_streams(per_rank[self.dims.rank % len(per_rank)], self.dims.rank)
+        restore_rank_rng(unpack_rank_states(load_file(str(training_state / L.RNG_STATE))), self.dims.rank,
+                         self.dims.world_size)
         _barrier(self.dims)
-
-
-def seed_rank_streams(saved: dict[str, torch.Tensor], rank: int) -> None:
-    """Seed python, numpy and torch (CPU and CUDA) from a digest of a saved RNG state and ``rank``."""
-    digest = hashlib.sha256(str(rank).encode())
-    for name in sorted(saved):
-        digest.update(name.encode())
-        digest.update(saved[name].contiguous().view(torch.uint8).numpy().tobytes())
-    seed = int.from_bytes(digest.digest()[:8], "little") >> 1
-    random.seed(seed)
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-    torch.manual_seed(seed)  # every CUDA device's generator too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 # --- optimizer -------------------------------------------------------------------------------------------
@@ -107,3 +109,39 @@ def scheduler_state_to_json(state: dict[str, Any]) -> dict[str, Any]:
 
 def scheduler_state_from_json(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "lr_lambdas": [None] * len(state["base_lrs"])}
+
+
+def gather_rng_states(distributed: bool) -> list[dict[str, Tensor]]:
+    """Every rank's RNG state, in rank order. Collective when ``distributed``."""
+    mine = capture_rng_state()
+    if not distributed:
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def restore_rank_rng(per_rank: list[dict[str, Tensor]], rank: int, world_size: int) -> None:
+    """This rank's RNG streams from a checkpoint's per-rank states.
+
+    On the saved world size each rank restores its own stream exactly. On another one, ranks cannot inherit the
+    streams one to one (after N -> 2N, ranks r and r + N would draw the same dropout): each rank seeds a stream of its
+    own from the saved stream of rank r mod N and its rank, reproducible and distinct across ranks. The sampler
+    decides the data order on its own (seed, epoch) either way.
+    """
+    if len(per_rank) == world_size:
+        restore_rng_state(per_rank[rank])
+    else:
+        seed_rank_streams(per_rank[rank % len(per_rank)], rank)
+
+
+def seed_rank_streams(saved: dict[str, torch.Tensor], rank: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) from a digest of a saved RNG state and ``rank``."""
+    digest = hashlib.sha256(str(rank).encode())
+    for name in sorted(saved):
+        digest.update(name.encode())
+        digest.update(saved[name].contiguous().view(torch.uint8).numpy().tobytes())
+    seed = int.from_bytes(digest.digest()[:8], "little") >> 1
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)  # every CUDA device's generator too

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lerobot_mg.checkpoint.manager import seed_rank_streams
+from lerobot_mg.checkpoint.state import seed_rank_streams
 from lerobot_mg.checkpoint.state import capture_rng_state
 from tests.dist.test_checkpoints import copy_run, reference_run
 from tests.dist.test_resume import resume_args
