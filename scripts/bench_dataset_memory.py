@@ -4,7 +4,7 @@
     python scripts/bench_dataset_memory.py --frames 1000000 --dir /scratch/bench
 
 A LeRobot v3.0 state dataset (observation.state 14 + action 14 float32, 100-frame episodes, 4 data files) is
-generated with ``lerobot_mg.data.synthetic``, opened once to build its cache (timed: ``cache_build_s``), then read
+generated with ``scripts/synthetic_dataset.py``, opened once to build its cache (timed: ``cache_build_s``), then read
 by 2 ranks (processes on one gloo group) with 2 DataLoader workers each, as a run reads it: a 50-frame action chunk
 per item, batches of 32 from the resumable sampler (its permutation memory-mapped too). Each rank measures, in
 ``/proc/<pid>/smaps_rollup``:
@@ -108,8 +108,7 @@ def _build_cache(root: Path) -> float:
 
 def measure(root: Path, frames: int, batches: int) -> dict[str, float]:
     from benchmarking import run_on_ranks
-
-    from lerobot_mg.data.synthetic import write_state_dataset
+    from synthetic_dataset import write_state_dataset
 
     start = time.perf_counter()
     write_state_dataset(root, frames, dim=14, episode_length=100, num_files=4, fps=FPS)

@@ -20,7 +20,7 @@ from lerobot_mg.data import LeRobotDataset, ResumableBatchSampler
 from lerobot_mg.data import cache as cache_module
 from lerobot_mg.data import sampler as sampler_module
 from lerobot_mg.data.cache import CACHE_DIRNAME, StaleCacheWarning
-from lerobot_mg.data.synthetic import write_state_dataset
+from scripts.synthetic_dataset import write_state_dataset
 from tests.data_aids import TinyDataset
 from tests.launch_utils import PUSHT_SLICE, REPO, clean_env
 
