@@ -10,12 +10,15 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lerobot_mg.errors import ConfigError, report_user_error
 
 logger = logging.getLogger("lerobot_mg.train")
+# How long a rank other than the main one waits before exiting on a user error (see train()).
+USER_ERROR_GRACE_S = 5.0
 
 
 def train() -> None:
@@ -79,6 +82,10 @@ def train() -> None:
                 report_failure(error)  # exits 1
             if os.environ.get("RANK", "0") == "0":
                 report_user_error(error)
+            else:
+                # Every rank meets the same user error before any process group exists; the main process prints
+                # it. A rank that exited first would make torchrun stop the main process before its line is out.
+                time.sleep(USER_ERROR_GRACE_S)
             raise SystemExit(2) from None
 
     _main()
