@@ -153,7 +153,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         from lerobot_mg.sim.evaluate import evaluate_run
 
         evaluation = evaluate_run(output_dir, cfg)
-    accelerator.end_training()
     if cfg.policy.publishes and dims.is_main_process:  # policy.repo_id: the complete last checkpoint, with a card
         publish_policy(cfg, output_dir, facts, progress, tracker.last_metrics["loss"], evaluation)
     return TrainResult(checked.memory, output_dir, progress, tracker.last_metrics["loss"], rank_bytes, evaluation)

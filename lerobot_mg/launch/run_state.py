@@ -9,15 +9,23 @@ failed (its save is completed, then the thread stops), a wandb or trackio run st
 run's log file handler, and the signal handlers of the stop watch (SIGINT, SIGTERM, preemption).
 :func:`releases_run_state` tears all of it down when ``train()`` returns or raises; every run seeds its RNGs itself
 at start.
+
+The order matters for the process groups: the run's objects (the DDP wrapper and its C++ reducer, FSDP's modules,
+the optimizer) are freed first, while every group they hold is still alive, and only then are the groups destroyed.
+A gloo group's destructor joins its worker threads; if the last reference to a group were DDP's reducer, that
+join would run under the GIL, and a worker thread still releasing the tensors of a finished collective needs the
+GIL: the process would hang at exit, now and then (see pytorch/pytorch#56297).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -89,9 +97,18 @@ def _restore_environ(before: dict[str, str]) -> None:
             os.environ[key] = value
 
 
-def release_run_state(environ_before: dict[str, str]) -> None:
+def _free_run_objects(error: BaseException | None) -> None:
+    # A failed train()'s frames keep its model, optimizer and reducer alive through the traceback: drop their
+    # locals (the traceback still prints), then the reference cycles among the run's objects.
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+
+
+def release_run_state(environ_before: dict[str, str], error: BaseException | None = None) -> None:
     """Tear down everything a run set up in this process (see the module docstring). Safe to call after a
-    run that failed anywhere, and when nothing was set up."""
+    run that failed anywhere (``error``: what it raised), and when nothing was set up."""
+    _free_run_objects(error)  # while the process groups they hold are alive
     _restore_signal_handlers()
     release_background_writers()  # before the process groups go: a DCP write uses one
     _finish_wandb()
@@ -110,8 +127,11 @@ def releases_run_state(train_fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         environ_before = dict(os.environ)
         try:
-            return train_fn(*args, **kwargs)
-        finally:
-            release_run_state(environ_before)
+            result = train_fn(*args, **kwargs)
+        except BaseException as error:
+            release_run_state(environ_before, error)
+            raise
+        release_run_state(environ_before)
+        return result
 
     return wrapper
