@@ -204,7 +204,6 @@ def _composition_worker(rank: int, world_size: int, port: int, dp_shard: int, tr
     ]
     if rank == 0:
         out.put(losses)
-    stepper.accelerator.end_training()
 
 
 def _composition_losses(dp_shard: int, transformed: bool, batch_size: int) -> list[float]:

@@ -114,7 +114,6 @@ def _memory_worker(rank: int, world_size: int, port: int, shard: bool, policy_na
     if rank == 0:
         out.put({"params": param_bytes, "grads": grad_bytes, "optim": optim_bytes,
                  "num_params": sum(p.numel() for p in policy.parameters())})
-    accelerator.end_training()
 
 
 def _measure_memory(shard: bool, policy_name: str, args: argparse.Namespace) -> dict:

@@ -5,6 +5,7 @@ figure reported without a goal), and a launcher for measurements on 2 gloo ranks
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lerobot_mg.config.schema import REPO_ROOT
@@ -69,6 +71,15 @@ def report(bench: str, results: list[BenchResult], directory: Path = BENCH_DIR) 
     return path
 
 
+def _run_then_release(worker: Callable[..., None], *args: Any) -> None:
+    # The worker's model (DDP's C++ reducer) must be freed while the process groups live: a reducer that drops
+    # the last reference to a gloo group can deadlock the exit (see lerobot_mg/launch/run_state.py).
+    worker(*args)
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def run_on_ranks(worker: Callable[..., None], args: tuple[Any, ...], world_size: int = 2,
                  timeout: float = 1800) -> Any:
     """Spawn ``worker(rank, world_size, port, *args, queue)`` on every rank and return what rank 0 puts in the
@@ -78,7 +89,7 @@ def run_on_ranks(worker: Callable[..., None], args: tuple[Any, ...], world_size:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    processes = [context.Process(target=worker, args=(rank, world_size, port, *args, queue))
+    processes = [context.Process(target=_run_then_release, args=(worker, rank, world_size, port, *args, queue))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -21,6 +21,7 @@ precision (also asserted below).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import re
@@ -346,6 +347,7 @@ def _scenario_main(name: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
+    gc.collect()  # the scenario's models before their process groups (lerobot_mg/launch/run_state.py says why)
     torch.distributed.destroy_process_group()
 
 
