@@ -487,7 +487,8 @@ class DiffusionPolicy(PreTrainedPolicy):
 
     def _training_draws(self, batch: dict[str, Tensor], batch_size: int) -> tuple[Tensor, Tensor, Corners | None]:
         """(timesteps (B,), noise (B, horizon, A) float32, crop corners), each sample from its own seed. The crop
-        is random in training mode only (LeRobot's RandomCrop), at the centre otherwise."""
+        is random in training mode only (LeRobot's RandomCrop), at the centre otherwise. Host-side work: the seeds
+        stay on the host (step.HOST_KEYS) and the draws are made there, then copied to the device."""
         seeds = batch.get(SAMPLE_SEED_KEY)
         if seeds is None:
             seeds = torch.randint(0, 2**62, (batch_size,))
@@ -498,14 +499,14 @@ class DiffusionPolicy(PreTrainedPolicy):
         corners: Corners = {key: [] for key in self.image_keys}
         for seed in seeds.tolist():
             generator = torch.Generator().manual_seed(seed)
-            timesteps.append(int(torch.randint(config.num_train_timesteps, (1,), generator=generator)))
+            timesteps.append(torch.randint(config.num_train_timesteps, (1,), generator=generator))
             noises.append(torch.randn(config.horizon, self.action_dim, generator=generator))
             if random_crop:
                 for key in self.image_keys:
                     top = int(torch.randint(image_hw[0] - crop[0] + 1, (1,), generator=generator))
                     left = int(torch.randint(image_hw[1] - crop[1] + 1, (1,), generator=generator))
                     corners[key].append((top, left))
-        return torch.tensor(timesteps), torch.stack(noises), corners if random_crop else None
+        return torch.cat(timesteps), torch.stack(noises), corners if random_crop else None
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         """LeRobot's loss at each sample's own random timestep and noise (see DiffusionModel.compute_loss)."""
