@@ -385,3 +385,20 @@ def test_config_validation_errors(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(**overrides).validate()
     DiffusionConfig().validate()
+
+
+def test_gradient_checkpointing_keeps_the_gradients_and_compile_model_keeps_the_keys() -> None:
+    """LeRobot's gradient_checkpointing (the U-Net's residual blocks recomputed in backward) and compile_model
+    (the U-Net compiled in place, so the state_dict keeps LeRobot's names)."""
+    torch.manual_seed(0)
+    plain = DiffusionPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS).train()
+    recomputed = DiffusionPolicy(tiny_config(gradient_checkpointing=True), STATE_ONLY_INPUTS, OUTPUTS).train()
+    recomputed.load_state_dict(plain.state_dict())
+    batch = make_batch(STATE_ONLY_INPUTS)
+    for policy in (plain, recomputed):
+        policy(batch)[0].backward()
+    for (name, expected), actual in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-6, atol=1e-7, msg=name)
+    compiled = DiffusionPolicy(tiny_config(compile_model=True), STATE_ONLY_INPUTS, OUTPUTS)
+    assert compiled.diffusion.unet._compiled_call_impl is not None
+    assert list(compiled.state_dict()) == list(plain.state_dict())
