@@ -105,6 +105,14 @@ class Activation(Choice):
     gelu = "gelu"
 
 
+class VisionBackbone(Choice):
+    """``resnet18``: torchvision's ResNet18 with its parameter names, as LeRobot builds it. ``lerobot_mg_cnn``: our
+    small ResNet-style CNN (``policy.vision_channels``), trained from scratch; its checkpoints are lerobot_mg's only."""
+
+    resnet18 = "resnet18"
+    lerobot_mg_cnn = "lerobot_mg_cnn"
+
+
 class NoiseScheduler(Choice):
     DDPM = "DDPM"
     DDIM = "DDIM"

@@ -230,10 +230,20 @@ def declared_checkpoint_blocks(model: nn.Module) -> NamedModules:
     return outermost((n, m) for n, m in model.named_modules() if n and type(m).__name__ in class_names)
 
 
-def top_level_modules(model: nn.Module) -> NamedModules:
+def top_level_modules(model: nn.Module, prefix: str = "") -> NamedModules:
     """The direct children that hold parameters: the whole network of a policy, without its own forward (the
-    loss and its random draws), for torch.compile when no wrap unit is chosen."""
-    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+    loss and its random draws), for torch.compile when no wrap unit is chosen. A child without a forward of its
+    own (a container such as LeRobot's ``diffusion`` model, whose methods call its children) is never called, so
+    its children stand in for it."""
+    found: NamedModules = []
+    for name, child in model.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if type(child).forward is nn.Module.forward:
+            found.extend(top_level_modules(child, f"{prefix}{name}."))
+        else:
+            found.append((f"{prefix}{name}", child))
+    return found
 
 
 def checkpoint_activations(module: nn.Module) -> None:

@@ -106,7 +106,7 @@ def test_ddp_with_activation_checkpointing_matches_one_process(diffusion_run: Ca
     run, single = diffusion_run("ddp"), diffusion_run("single")
     assert "topology: DDP: 2 replicas (world size 2)" in run.stdout
     # DDP has no wrap units: the policy's declared blocks are recomputed (2 levels x 2 + 2 middle + 1 x 2 up).
-    assert "activation checkpointing: 8 modules, e.g. unet.up_modules.0.1" in run.stdout
+    assert "activation checkpointing: 8 modules, e.g. diffusion.unet.up_modules.0.1" in run.stdout
     _assert_matches_one_process(run, single)
 
 
@@ -115,7 +115,7 @@ def test_fsdp_by_size_with_activation_checkpointing_and_dcp_matches_one_process(
 ) -> None:
     run, single = diffusion_run("fsdp"), diffusion_run("single")
     assert "topology: FSDP2: 2 shards (world size 2)" in run.stdout
-    assert f"FSDP wrap units (accelerator.fsdp.min_num_params={MIN_NUM_PARAMS}): 9 units, e.g. unet" in run.stdout
+    assert f"FSDP wrap units (accelerator.fsdp.min_num_params={MIN_NUM_PARAMS}): 9 units, e.g. diffusion.unet" in run.stdout
     # checkpoint.format=dcp wrote shards only; the converter merges them into the loadable file.
     final = L.checkpoints_root(run.output_dir) / L.step_dir_name(NUM_UPDATES)
     pretrained = final / L.PRETRAINED_MODEL_DIR

@@ -1,4 +1,5 @@
-"""Diffusion Policy: shapes, per-sample noise, the samplers, observation history, save/load, sizes, config."""
+"""Diffusion Policy: shapes, per-sample noise, the samplers, observation history, save/load, sizes, config.
+(LeRobot 0.6.1's numbers on its own checkpoint: tests/unit/test_lerobot_diffusion.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from lerobot_mg.policies import (
     make_policy,
 )
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
-from lerobot_mg.policies.diffusion.modeling_diffusion import NoiseSchedule
 from tests.launch_utils import PUSHT_SLICE
 from tests.unit.test_config import _compose
 
@@ -43,6 +43,7 @@ def tiny_config(**overrides: object) -> DiffusionConfig:
         n_obs_steps=N_OBS,
         horizon=HORIZON,
         n_action_steps=4,
+        vision_backbone="lerobot_mg_cnn",
         vision_channels=[8, 16],
         spatial_softmax_num_keypoints=4,
         crop_shape=[16, 16],
@@ -130,7 +131,9 @@ def test_sample_seeds_depend_on_seed_epoch_and_index_only() -> None:
     assert not set(sample_seeds(4, 0, torch.tensor([5, 6, 7])).tolist()) & set(seeds.tolist())
 
 
-def test_padded_frames_count_as_zero_error_only_when_masked() -> None:
+def test_masked_loss_is_the_mean_over_the_frames_inside_the_episode() -> None:
+    """LeRobot's do_mask_loss_for_padding: the squared errors of padded action frames are left out of the mean (its
+    denominator too); unmasked, every entry counts."""
     torch.manual_seed(0)
     masked = DiffusionPolicy(tiny_config(do_mask_loss_for_padding=True), STATE_ONLY_INPUTS, OUTPUTS)
     unmasked = DiffusionPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS)
@@ -139,40 +142,48 @@ def test_padded_frames_count_as_zero_error_only_when_masked() -> None:
     all_valid = masked(batch)[0].item()
     assert all_valid == unmasked(batch)[0].item()
     batch["action_is_pad"][:, -3:] = True
-    # The same draws and predictions: masking drops the padded frames' squared errors, the mean keeps its
-    # denominator (every sample weighs the same whatever its padding).
-    assert masked(batch)[0].item() < unmasked(batch)[0].item() == all_valid
+    batch["action_is_pad"][0, -5:] = True
+    timesteps, eps, _ = masked._training_draws(batch, BATCH)
+    model = masked.diffusion
+    noisy = model.noise_scheduler.add_noise(batch["action"], eps, timesteps)
+    errors = (model.unet(noisy, timesteps, model.global_conditioning(batch)) - eps) ** 2
+    expected = errors[~batch["action_is_pad"]].mean()
+    torch.testing.assert_close(masked(batch)[0], expected, rtol=1e-6, atol=0)
+    assert unmasked(batch)[0].item() == all_valid  # the mask only acts when asked for
     batch["action_is_pad"][:] = True
     assert masked(batch)[0].item() == 0.0
 
 
 @pytest.mark.parametrize("scheduler", ["DDPM", "DDIM"])
 @pytest.mark.parametrize("prediction_type", ["epsilon", "sample"])
-def test_samplers_recover_the_clean_chunk_from_an_oracle(scheduler: str, prediction_type: str) -> None:
-    """With the true noise (or the true chunk) as the model's prediction, every reverse step lands back on the
-    clean chunk: DDIM exactly at each step, DDPM at its last (noise-free) step."""
+def test_samplers_recover_the_clean_chunk_from_an_oracle(
+    scheduler: str, prediction_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a U-Net that predicts the true noise (or the true chunk), diffusers' reverse steps land back on the
+    clean chunk: DDIM exactly at each step, DDPM at its last (noise-free) step. The sampler walks diffusers'
+    "leading" timesteps."""
     config = tiny_config(noise_scheduler_type=scheduler, prediction_type=prediction_type, num_inference_steps=5)
-    schedule = NoiseSchedule(config)
-    assert schedule.inference_timesteps() == [16, 12, 8, 4, 0]
-    clean = torch.rand(2, HORIZON, ACTION_DIM) * 2 - 1
-    torch.manual_seed(0)
-    sample = torch.randn_like(clean)
-    for timestep in schedule.inference_timesteps():
-        alpha_bar = schedule.alphas_cumprod[timestep].float()
+    policy = DiffusionPolicy(config, STATE_ONLY_INPUTS, OUTPUTS).eval()
+    model = policy.diffusion
+    assert type(model.noise_scheduler).__name__ == f"{scheduler}Scheduler"
+    clean = torch.rand(BATCH, HORIZON, ACTION_DIM) * 2 - 1
+    seen: list[int] = []
+
+    def oracle(sample: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        seen.append(int(timesteps[0]))
+        alpha_bar = model.noise_scheduler.alphas_cumprod[timesteps][:, None, None]
         noise = (sample - alpha_bar.sqrt() * clean) / (1 - alpha_bar).sqrt()
-        sample = schedule.step(noise if prediction_type == "epsilon" else clean, timestep, sample)
-    torch.testing.assert_close(sample, clean, rtol=0, atol=1e-5)
+        return noise if prediction_type == "epsilon" else clean
 
-
-def test_squaredcos_schedule_matches_the_cosine_formula() -> None:
-    """alpha_bar(t) = f(t) / f(0) with f(t) = cos^2((t / T + s) / (1 + s) * pi / 2), s = 0.008 (Nichol &
-    Dhariwal 2021), wherever no beta hits the 0.999 cap."""
-    schedule = NoiseSchedule(tiny_config(num_train_timesteps=100))
-    steps = torch.arange(1, 101, dtype=torch.float64) / 100
-    f_0 = torch.cos(torch.tensor(0.008 / 1.008 * torch.pi / 2, dtype=torch.float64)) ** 2
-    f = torch.cos((steps + 0.008) / 1.008 * torch.pi / 2) ** 2 / f_0
-    torch.testing.assert_close(schedule.alphas_cumprod[:90], f[:90], rtol=1e-9, atol=0)
-    assert schedule.alphas_cumprod[-1] < 1e-4  # the last step is (nearly) pure noise
+    monkeypatch.setattr(model.unet, "forward", oracle)
+    torch.manual_seed(0)
+    chunk = policy.predict_action_chunk(make_batch(STATE_ONLY_INPUTS))
+    assert seen == [16, 12, 8, 4, 0]
+    torch.testing.assert_close(chunk, clean, rtol=0, atol=1e-5)
+    start = N_OBS - 1
+    assert torch.equal(policy.generate_actions(make_batch(STATE_ONLY_INPUTS), noise=torch.zeros_like(clean)),
+                       policy.predict_action_chunk(make_batch(STATE_ONLY_INPUTS), noise=torch.zeros_like(clean))
+                       [:, start : start + config.n_action_steps])
 
 
 def test_select_action_keeps_the_observation_history(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,21 +242,53 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
 
 def test_image_crop_is_random_in_training_and_central_at_inference() -> None:
     torch.manual_seed(0)
-    policy = DiffusionPolicy(tiny_config(), IMAGE_INPUTS, OUTPUTS)
+    policy = DiffusionPolicy(tiny_config(), IMAGE_INPUTS, OUTPUTS).train()
     batch = make_batch(IMAGE_INPUTS)
     _, _, corners = policy._training_draws(batch, BATCH)
     assert corners is not None and len(set(corners["observation.images.top"])) > 1
     assert all(0 <= top <= 4 and 0 <= left <= 8 for top, left in corners["observation.images.top"])
-    central = policy._crop(batch, None)["observation.images.top"]
-    torch.testing.assert_close(central, batch["observation.images.top"][..., 2:18, 4:20])
+    frames = batch["observation.images.top"].flatten(0, 1)
+    central = policy.diffusion.rgb_encoder[0].preprocess(frames)
+    torch.testing.assert_close(central, frames[..., 2:18, 4:20])
     assert policy._training_draws(batch, BATCH)[2] == corners  # the sample seeds fix them
-    assert DiffusionPolicy(tiny_config(crop_is_random=False), IMAGE_INPUTS, OUTPUTS)._training_draws(batch, BATCH)[2] is None
+    assert policy.eval()._training_draws(batch, BATCH)[2] is None  # evaluation's loss: the centre crop
+    not_random = DiffusionPolicy(tiny_config(crop_is_random=False), IMAGE_INPUTS, OUTPUTS).train()
+    assert not_random._training_draws(batch, BATCH)[2] is None
+    # torchvision's CenterCrop rounds half offsets to even: 7 spare rows start the crop at row 4.
+    assert torch.equal(DiffusionPolicy(tiny_config(crop_shape=[13, 16]), IMAGE_INPUTS, OUTPUTS)
+                       .diffusion.rgb_encoder[0].preprocess(frames), frames[..., 4:17, 4:20])
+
+
+def test_resize_then_crop_ratio_as_lerobot_derives_it() -> None:
+    config = tiny_config(resize_shape=[10, 12], crop_ratio=0.5, crop_shape=[84, 84])
+    assert config.image_crop_shape == [5, 6]  # crop_shape gives way to crop_ratio of the resized image
+    assert tiny_config(resize_shape=[10, 12]).image_crop_shape is None  # crop_ratio 1.0: no crop
+    encoder = DiffusionPolicy(config, IMAGE_INPUTS, OUTPUTS).diffusion.rgb_encoder[0]
+    frames = make_batch(IMAGE_INPUTS)["observation.images.top"].flatten(0, 1)
+    resized = torch.nn.functional.interpolate(frames, size=(10, 12), mode="bilinear", antialias=True)
+    torch.testing.assert_close(encoder.preprocess(frames), resized[..., 2:7, 3:9])
+
+
+def test_shared_encoder_takes_every_camera_in_one_batch_norm_batch() -> None:
+    """use_separate_rgb_encoder_per_camera=false: one encoder (rgb_encoder.*, not rgb_encoder.0.*) over all frames
+    of all cameras; per step the features are [state, camera 1, camera 2]."""
+    two_cameras = {**IMAGE_INPUTS, "observation.images.side": IMAGE_INPUTS["observation.images.top"]}
+    torch.manual_seed(0)
+    config = tiny_config(use_separate_rgb_encoder_per_camera=False, vision_backbone="resnet18")
+    policy = DiffusionPolicy(config, two_cameras, OUTPUTS).eval()
+    assert "diffusion.rgb_encoder.backbone.1.running_mean" in policy.state_dict()
+    batch = make_batch(two_cameras)
+    cond = policy.diffusion.global_conditioning(batch).reshape(BATCH, N_OBS, -1)
+    assert cond.shape[-1] == STATE_DIM + 2 * 2 * config.spatial_softmax_num_keypoints
+    torch.testing.assert_close(cond[..., :STATE_DIM], batch["observation.state"])
+    side = policy.diffusion.rgb_encoder(batch["observation.images.side"].flatten(0, 1)).reshape(BATCH, N_OBS, -1)
+    torch.testing.assert_close(cond[..., -side.shape[-1]:], side)
 
 
 def test_default_sizes_are_lerobots() -> None:
-    """LeRobot's defaults (down_dims 512-1024-2048, kernel 5, step embedding 128, FiLM scale): its U-Net for PushT
-    (2-dim state and action, one camera) has 251.5M parameters, and ours has the same; our vision encoder
-    replaces ResNet-18 (11.2M) with 1.2M."""
+    """LeRobot's defaults (down_dims 512-1024-2048, kernel 5, step embedding 128, FiLM scale, a ResNet18 per
+    camera): for PushT (2-dim state and action, one 96x96 camera) the U-Net has 251.5M parameters and the camera
+    encoder 11.2M."""
     with torch.device("meta"):
         policy = DiffusionPolicy(
             DiffusionConfig(),
@@ -253,8 +296,36 @@ def test_default_sizes_are_lerobots() -> None:
              "observation.image": {"type": "VISUAL", "shape": [3, 96, 96]}},
             {"action": {"type": "ACTION", "shape": [2]}},
         )
-    assert sum(p.numel() for p in policy.unet.parameters()) == 251_511_938
-    assert sum(p.numel() for p in policy.parameters()) == 252_750_722
+    assert sum(p.numel() for p in policy.diffusion.unet.parameters()) == 251_511_938
+    assert sum(p.numel() for p in policy.diffusion.rgb_encoder.parameters()) == 11_197_088
+    assert sum(p.numel() for p in policy.parameters()) == 262_709_026
+
+
+def test_pretrained_backbone_weights_load_from_a_local_file_unless_built_from_a_checkpoint(tmp_path: Path) -> None:
+    """policy.pretrained_backbone_weights=<file of torchvision's ResNet18 weights> initialises every camera's trunk
+    (torchvision's names, fc dropped); load_backbone_weights=False (a policy about to take a checkpoint's
+    weights) leaves the file unread."""
+    from safetensors.torch import save_file
+
+    from lerobot_mg.policies.vision import ResNet18FeatureMap, ResNetNorm
+
+    torch.manual_seed(3)
+    torchvision_names = {key: value.clone() for key, value in ResNet18FeatureMap(ResNetNorm.BATCH_NORM).state_dict().items()}
+    torchvision_names["fc.weight"] = torch.zeros(1000, 512)
+    weights = tmp_path / "resnet18.safetensors"
+    save_file(torchvision_names, str(weights))
+    config = tiny_config(vision_backbone="resnet18", pretrained_backbone_weights=str(weights))
+    config.validate()
+    trunk = DiffusionPolicy(config, IMAGE_INPUTS, OUTPUTS).diffusion.rgb_encoder[0].backbone
+    assert torch.equal(trunk[0].weight, torchvision_names["conv1.weight"])
+    assert torch.equal(trunk[7][1].bn2.running_var, torchvision_names["layer4.1.bn2.running_var"])
+    unread = DiffusionPolicy(replace(config, pretrained_backbone_weights=str(tmp_path / "absent.pth")), IMAGE_INPUTS,
+                             OUTPUTS, load_backbone_weights=False)
+    assert not torch.equal(unread.diffusion.rgb_encoder[0].backbone[0].weight, torchvision_names["conv1.weight"])
+    with pytest.raises(ConfigError, match=r"policy.use_group_norm=True: would replace the batch norm layers.*Fix: "):
+        replace(config, use_group_norm=True).validate()
+    group_norm = DiffusionPolicy(tiny_config(vision_backbone="resnet18", use_group_norm=True), IMAGE_INPUTS, OUTPUTS)
+    assert type(group_norm.diffusion.rgb_encoder[0].backbone[1]).__name__ == "GroupNorm"
 
 
 def test_delta_timestamps_serve_the_history_and_the_chunk() -> None:
@@ -295,13 +366,16 @@ def test_policy_path_to_a_diffusion_base_makes_a_diffusion_run(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"horizon": 9}, r"policy.horizon=9: is not a multiple of 2, .*\. Fix: policy.horizon=10$"),
+        ({"horizon": 9}, r"policy.horizon=9: is not a multiple of 4 .*\. Fix: policy.horizon=12$"),
         ({"n_action_steps": 8}, r"policy.n_action_steps=8: exceeds the 7 frames.*\. Fix: policy.n_action_steps=7"),
         ({"n_groups": 5}, r"policy.n_groups=5: does not divide the U-Net widths \[16, 32\].*\. Fix: policy.n_groups=4$"),
         ({"kernel_size": 4}, r"policy.kernel_size=4: must be odd.*\. Fix: policy.kernel_size=5$"),
         ({"noise_scheduler_type": "DPM"}, r"policy.noise_scheduler_type='DPM': must be one of DDPM, DDIM\. Fix: policy.noise_scheduler_type=DDPM$"),
         ({"num_inference_steps": 30}, r"policy.num_inference_steps=30: exceeds policy.num_train_timesteps=20"),
         ({"crop_shape": [84]}, r"policy.crop_shape=\[84\]: must be \[height, width\]"),
+        ({"crop_ratio": 0.0}, r"policy.crop_ratio=0.0: must be in \(0, 1\]"),
+        ({"vision_backbone": "resnet50"}, r"policy.vision_backbone='resnet50': must be one of resnet18, lerobot_mg_cnn"),
+        ({"pretrained_backbone_weights": "w.pth"}, r"policy.pretrained_backbone_weights='w.pth': are ResNet18 weights"),
         ({"down_dims": []}, r"policy.down_dims=\[\]: needs at least one positive width"),
         ({"n_obs_steps": 0}, r"policy.n_obs_steps=0: must be >= 1\. Fix: policy.n_obs_steps=1$"),
         ({"normalization_mapping": {"ACTION": "MINMAX"}}, r"policy.normalization_mapping.ACTION='MINMAX': must be one of .*\. Fix: policy.normalization_mapping.ACTION=MEAN_STD$"),
@@ -311,3 +385,20 @@ def test_config_validation_errors(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(**overrides).validate()
     DiffusionConfig().validate()
+
+
+def test_gradient_checkpointing_keeps_the_gradients_and_compile_model_keeps_the_keys() -> None:
+    """LeRobot's gradient_checkpointing (the U-Net's residual blocks recomputed in backward) and compile_model
+    (the U-Net compiled in place, so the state_dict keeps LeRobot's names)."""
+    torch.manual_seed(0)
+    plain = DiffusionPolicy(tiny_config(), STATE_ONLY_INPUTS, OUTPUTS).train()
+    recomputed = DiffusionPolicy(tiny_config(gradient_checkpointing=True), STATE_ONLY_INPUTS, OUTPUTS).train()
+    recomputed.load_state_dict(plain.state_dict())
+    batch = make_batch(STATE_ONLY_INPUTS)
+    for policy in (plain, recomputed):
+        policy(batch)[0].backward()
+    for (name, expected), actual in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-6, atol=1e-7, msg=name)
+    compiled = DiffusionPolicy(tiny_config(compile_model=True), STATE_ONLY_INPUTS, OUTPUTS)
+    assert compiled.diffusion.unet._compiled_call_impl is not None
+    assert list(compiled.state_dict()) == list(plain.state_dict())

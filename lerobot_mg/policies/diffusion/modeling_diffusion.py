@@ -1,14 +1,17 @@
-"""Diffusion Policy (Chi et al. 2023, "Diffusion Policy: Visuomotor Policy Learning via Action Diffusion"), plain
-torch, following the structure of LeRobot's `modeling_diffusion.py`.
+"""Diffusion Policy (Chi et al. 2023, "Diffusion Policy: Visuomotor Policy Learning via Action Diffusion") as
+LeRobot 0.6.1 builds it: the same modules, state_dict keys, buffers and arithmetic, so LeRobot's checkpoints load
+here and give its numbers, and ours load there.
 
-Training (DDPM objective): a chunk of `horizon` actions is noised to a random timestep and the 1-D temporal
-convolutional U-Net predicts the noise (or the clean chunk), conditioned through FiLM on the diffusion timestep
-and the observation features of the last `n_obs_steps` frames. Inference: start from Gaussian noise and denoise
-with the DDPM or DDIM sampler over `num_inference_steps` steps.
+Training (DDPM objective): a chunk of `horizon` actions is noised to a random timestep by diffusers' scheduler and
+the 1-D temporal convolutional U-Net predicts the noise (or the clean chunk), conditioned through FiLM on the
+diffusion timestep and the observation features of the last `n_obs_steps` frames (states, each camera through a
+ResNet18 + spatial softmax, environment states). Inference: start from Gaussian noise and denoise with diffusers'
+DDPM or DDIM sampler over `num_inference_steps` steps.
 
 Every random draw of a training sample (timestep, noise, image crop) comes from a generator seeded by the
 sample's own seed (`SAMPLE_SEED_KEY`), so one process, DDP, FSDP and gradient accumulation train on the same
-noise and match each other; a batch without seeds draws them from the global RNG.
+noise and match each other; a batch without seeds draws them from the global RNG. Given the same noise and
+timesteps, the loss is LeRobot's to the bit.
 
 The network has no repeated block, so it declares no FSDP wrap units: sharded runs choose them by size
 (`accelerator.fsdp.min_num_params`) or by class (`accelerator.fsdp.wrap_modules`). It declares the blocks that
@@ -18,212 +21,216 @@ activation checkpointing recomputes.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+from diffusers.schedulers.scheduling_ddpm import DDPMScheduler
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from lerobot_mg.config.choices import VisionBackbone
 from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.errors import config_error
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY, FeatureSpec, PreTrainedPolicy
-from lerobot_mg.policies.vision import VisionBackbone
+from lerobot_mg.policies.vision import (
+    RESNET18_OUT_CHANNELS,
+    ResNetNorm,
+    load_resnet18_weights,
+    resnet18_trunk,
+)
+from lerobot_mg.policies.vision import (
+    VisionBackbone as LeRobotMgCnn,
+)
 
-# --- noise schedule and samplers ---------------------------------------------------------------------------
-
-
-def _betas(config: DiffusionConfig) -> Tensor:
-    """(num_train_timesteps,) float64 betas, as diffusers' schedulers define them."""
-    num_steps = config.num_train_timesteps
-    if config.beta_schedule == "linear":
-        return torch.linspace(config.beta_start, config.beta_end, num_steps, dtype=torch.float64)
-    if config.beta_schedule == "scaled_linear":
-        return torch.linspace(config.beta_start**0.5, config.beta_end**0.5, num_steps, dtype=torch.float64) ** 2
-    # squaredcos_cap_v2 (Nichol & Dhariwal 2021): alpha_bar(t) = cos^2((t + 0.008) / 1.008 * pi / 2), beta <= 0.999.
-    steps = torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
-    alpha_bar = torch.cos((steps + 0.008) / 1.008 * math.pi / 2) ** 2
-    return torch.clamp(1 - alpha_bar[1:] / alpha_bar[:-1], max=0.999)
+# torchvision's ResNet18 children -> their index in LeRobot's truncated nn.Sequential (relu 2 and maxpool 3 have no
+# weights).
+_TRUNK_INDEX = {"conv1": "0", "bn1": "1", "layer1": "4", "layer2": "5", "layer3": "6", "layer4": "7"}
+_RESNET18_HALVINGS = 5  # conv1, maxpool, layer2..layer4
 
 
-class NoiseSchedule:
-    """The forward (noising) process and one reverse step of the DDPM (fixed-small variance) or DDIM (eta = 0)
-    sampler, with diffusers' "leading" timestep spacing and final alpha of one."""
+def make_noise_scheduler(config: DiffusionConfig) -> DDPMScheduler | DDIMScheduler:
+    """diffusers' scheduler with the arguments LeRobot passes (the rest at diffusers' defaults)."""
+    scheduler_class = DDIMScheduler if config.noise_scheduler_type == "DDIM" else DDPMScheduler
+    return scheduler_class(
+        num_train_timesteps=config.num_train_timesteps,
+        beta_start=config.beta_start,
+        beta_end=config.beta_end,
+        beta_schedule=str(config.beta_schedule),
+        clip_sample=config.clip_sample,
+        clip_sample_range=config.clip_sample_range,
+        prediction_type=str(config.prediction_type),
+    )
 
-    def __init__(self, config: DiffusionConfig) -> None:
-        self.config = config
-        self.alphas_cumprod = torch.cumprod(1.0 - _betas(config), dim=0)
 
-    def add_noise(self, clean_BTA: Tensor, noise_BTA: Tensor, timesteps_B: Tensor) -> Tensor:
-        alpha_bar_B11 = self.alphas_cumprod.to(clean_BTA.device)[timesteps_B].to(clean_BTA.dtype)[:, None, None]
-        return alpha_bar_B11.sqrt() * clean_BTA + (1 - alpha_bar_B11).sqrt() * noise_BTA
-
-    def inference_timesteps(self) -> list[int]:
-        stride = self.config.num_train_timesteps // self.config.inference_steps
-        return [step * stride for step in reversed(range(self.config.inference_steps))]
-
-    def step(self, model_output_BTA: Tensor, timestep: int, sample_BTA: Tensor) -> Tensor:
-        """The sample at the previous inference timestep (float32 in, float32 out)."""
-        config = self.config
-        previous = timestep - config.num_train_timesteps // config.inference_steps
-        alpha_bar = float(self.alphas_cumprod[timestep])
-        alpha_bar_prev = float(self.alphas_cumprod[previous]) if previous >= 0 else 1.0
-        if config.prediction_type == "epsilon":
-            noise = model_output_BTA
-            clean = (sample_BTA - (1 - alpha_bar) ** 0.5 * noise) / alpha_bar**0.5
-        else:
-            clean = model_output_BTA
-            noise = (sample_BTA - alpha_bar**0.5 * clean) / (1 - alpha_bar) ** 0.5
-        if config.clip_sample:
-            clean = clean.clamp(-config.clip_sample_range, config.clip_sample_range)
-        if config.noise_scheduler_type == "DDIM":
-            if config.clip_sample:  # the noise that leads to the clipped clean sample
-                noise = (sample_BTA - alpha_bar**0.5 * clean) / (1 - alpha_bar) ** 0.5
-            return alpha_bar_prev**0.5 * clean + (1 - alpha_bar_prev) ** 0.5 * noise
-        alpha = alpha_bar / alpha_bar_prev
-        beta = 1 - alpha
-        mean = (alpha_bar_prev**0.5 * beta * clean + alpha**0.5 * (1 - alpha_bar_prev) * sample_BTA) / (1 - alpha_bar)
-        if timestep == 0:
-            return mean
-        variance = max((1 - alpha_bar_prev) / (1 - alpha_bar) * beta, 1e-20)
-        return mean + variance**0.5 * torch.randn_like(mean)
+def _halved(size: int, times: int) -> int:
+    """The size after ``times`` stride-2 convolutions (or poolings) that pad to keep ceil(size / 2)."""
+    for _ in range(times):
+        size = (size - 1) // 2 + 1
+    return size
 
 
 # --- observation encoder ---------------------------------------------------------------------------------
 
 
 class SpatialSoftmax(nn.Module):
-    """Keypoints of a feature map (Finn et al. 2016): a 1x1 conv to K maps, a softmax over each map's pixels and
-    the expected (x, y) position in [-1, 1] under it. (B, C, H, W) -> (B, K, 2)."""
+    """Keypoints of a feature map (Finn et al. 2016): a 1x1 conv to K maps (``nets``), a softmax over each map's
+    pixels and the expected (x, y) position in [-1, 1] under it, on the ``pos_grid`` buffer (H*W, 2) built with
+    numpy as LeRobot builds it. (B, C, H, W) -> (B, K, 2)."""
 
-    def __init__(self, in_channels: int, num_keypoints: int) -> None:
+    def __init__(self, feature_map_chw: tuple[int, int, int], num_keypoints: int) -> None:
         super().__init__()
-        self.keypoint_maps = nn.Conv2d(in_channels, num_keypoints, kernel_size=1)
+        channels, self._height, self._width = feature_map_chw
+        self.num_keypoints = num_keypoints
+        self.nets = nn.Conv2d(channels, num_keypoints, kernel_size=1)
+        pos_x, pos_y = np.meshgrid(np.linspace(-1.0, 1.0, self._width), np.linspace(-1.0, 1.0, self._height))
+        grid = np.stack([pos_x.reshape(-1), pos_y.reshape(-1)], axis=1)
+        self.register_buffer("pos_grid", torch.from_numpy(grid).float())
 
     def forward(self, features_BCHW: Tensor) -> Tensor:
-        maps_BKHW = self.keypoint_maps(features_BCHW)
-        batch, num_keypoints, height, width = maps_BKHW.shape
-        attention = torch.softmax(maps_BKHW.reshape(batch * num_keypoints, height * width).float(), dim=-1)
-        ys, xs = torch.meshgrid(
-            torch.linspace(-1.0, 1.0, height, device=maps_BKHW.device),
-            torch.linspace(-1.0, 1.0, width, device=maps_BKHW.device),
-            indexing="ij",
-        )
-        grid_P2 = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
-        return (attention @ grid_P2).reshape(batch, num_keypoints, 2).to(features_BCHW.dtype)
+        maps = self.nets(features_BCHW).reshape(-1, self._height * self._width)
+        # float32 softmax and expectation whatever the compute dtype (a no-op in float32).
+        attention = F.softmax(maps.float(), dim=-1)
+        return (attention @ self.pos_grid.float()).view(-1, self.num_keypoints, 2).to(features_BCHW.dtype)
 
 
-class RgbEncoder(nn.Module):
-    """Backbone -> spatial softmax -> linear + ReLU: (N, C, H, W) -> (N, 2 * num_keypoints)."""
+def _load_pretrained_trunk(backbone: nn.Sequential, weights: str) -> None:
+    """torchvision's ResNet18 weights into LeRobot's truncated trunk: a local file, or torchvision's weight name."""
+    if Path(weights).is_file():
+        state = load_resnet18_weights(Path(weights))
+    else:
+        try:  # torchvision is optional (its wheels are CUDA-linked): only a weight name needs it
+            import torchvision
+        except ImportError as error:
+            raise config_error(
+                "policy.pretrained_backbone_weights", weights,
+                f"is no file, and as a torchvision weight name it needs torchvision ({error})",
+                "policy.pretrained_backbone_weights=<path to resnet18-f37072fd.pth>",
+            ) from error
+        state = torchvision.models.get_weight(weights).get_state_dict(progress=False)
+        state = {key: value for key, value in state.items() if not key.startswith("fc.")}
+    renamed = {}
+    for key, value in state.items():
+        child, _, rest = key.partition(".")
+        renamed[f"{_TRUNK_INDEX[child]}.{rest}"] = value
+    backbone.load_state_dict(renamed, strict=True)
 
-    def __init__(self, in_channels: int, config: DiffusionConfig) -> None:
+
+class DiffusionRgbEncoder(nn.Module):
+    """Resize, crop, backbone, spatial softmax, linear + ReLU: (N, C, H, W) -> (N, 2 * num_keypoints).
+
+    The crop is at the centre unless ``corners`` (one (top, left) per image) are given: the random crop of
+    training, each sample's own.
+    """
+
+    def __init__(self, config: DiffusionConfig, image_chw: list[int], load_weights: bool) -> None:
         super().__init__()
-        self.backbone = VisionBackbone(in_channels, list(config.vision_channels))
-        self.pool = SpatialSoftmax(self.backbone.num_out_channels, config.spatial_softmax_num_keypoints)
+        channels, height, width = image_chw
+        self.resize_shape = None if config.resize_shape is None else tuple(config.resize_shape)
+        self.crop_shape = config.image_crop_shape
+        if self.crop_shape is not None:
+            height, width = self.crop_shape
+        elif self.resize_shape is not None:
+            height, width = self.resize_shape
+        self.backbone: nn.Module
+        if config.vision_backbone == VisionBackbone.resnet18:
+            norm = ResNetNorm.GROUP_NORM if config.use_group_norm else ResNetNorm.BATCH_NORM
+            self.backbone = resnet18_trunk(norm, channels)
+            if load_weights and config.pretrained_backbone_weights is not None:
+                _load_pretrained_trunk(self.backbone, config.pretrained_backbone_weights)
+            feature_map = (RESNET18_OUT_CHANNELS, _halved(height, _RESNET18_HALVINGS), _halved(width, _RESNET18_HALVINGS))
+        else:
+            cnn = LeRobotMgCnn(channels, list(config.vision_channels))
+            self.backbone = cnn
+            halvings = len(config.vision_channels)  # the stem and every stage after the first
+            feature_map = (cnn.num_out_channels, _halved(height, halvings), _halved(width, halvings))
+        self.pool = SpatialSoftmax(feature_map, config.spatial_softmax_num_keypoints)
         self.feature_dim = 2 * config.spatial_softmax_num_keypoints
         self.out = nn.Linear(self.feature_dim, self.feature_dim)
+        self.relu = nn.ReLU()
 
-    def forward(self, images_NCHW: Tensor) -> Tensor:
-        return F.relu(self.out(self.pool(self.backbone(images_NCHW)).flatten(1)))
+    def preprocess(self, images_NCHW: Tensor, corners: list[tuple[int, int]] | None = None) -> Tensor:
+        if self.resize_shape is not None:  # torchvision's Resize on tensors: bilinear, antialiased
+            images_NCHW = F.interpolate(images_NCHW, size=self.resize_shape, mode="bilinear", align_corners=False,
+                                        antialias=True)
+        if self.crop_shape is None:
+            return images_NCHW
+        crop_height, crop_width = self.crop_shape
+        if corners is None:  # torchvision's CenterCrop rounds the offsets half to even
+            height, width = images_NCHW.shape[-2:]
+            top, left = int(round((height - crop_height) / 2.0)), int(round((width - crop_width) / 2.0))
+            return images_NCHW[..., top : top + crop_height, left : left + crop_width]
+        return torch.stack([image[..., top : top + crop_height, left : left + crop_width]
+                            for image, (top, left) in zip(images_NCHW, corners, strict=True)])
 
-
-class ObservationEncoder(nn.Module):
-    """(B, n_obs_steps, ...) inputs -> the U-Net's global conditioning (B, n_obs_steps * per-frame features):
-    state and environment vectors as they are, each camera through an RgbEncoder (shared unless
-    `use_separate_rgb_encoder_per_camera`)."""
-
-    def __init__(self, config: DiffusionConfig, input_features: dict[str, FeatureSpec]) -> None:
-        super().__init__()
-        self.keys = list(input_features)
-        self.image_keys = [key for key, spec in input_features.items() if spec["type"] == "VISUAL"]
-        vector_dims = {key: int(spec["shape"][0]) for key, spec in input_features.items() if spec["type"] != "VISUAL"}
-        for key, spec in input_features.items():
-            if spec["type"] != "VISUAL" and len(spec["shape"]) != 1:
-                raise config_error("policy.observation_keys", list(input_features),
-                                   f"Diffusion takes 1-D state features, but {key!r} has shape {list(spec['shape'])}",
-                                   f"leave {key!r} out of policy.observation_keys")
-        self.rgb_encoders = nn.ModuleList()
-        if self.image_keys:
-            channels = {int(input_features[key]["shape"][0]) for key in self.image_keys}
-            if len(channels) != 1 and not config.use_separate_rgb_encoder_per_camera:
-                raise config_error(
-                    "policy.use_separate_rgb_encoder_per_camera", config.use_separate_rgb_encoder_per_camera,
-                    "one shared image encoder needs the same channel count in every camera; got "
-                    f"{ {key: input_features[key]['shape'] for key in self.image_keys} }",
-                    "policy.use_separate_rgb_encoder_per_camera=true",
-                )
-            num_encoders = len(self.image_keys) if config.use_separate_rgb_encoder_per_camera else 1
-            self.rgb_encoders.extend(
-                RgbEncoder(int(input_features[self.image_keys[index]]["shape"][0]), config)
-                for index in range(num_encoders)
-            )
-        image_dim = len(self.image_keys) * (self.rgb_encoders[0].feature_dim if self.image_keys else 0)
-        self.cond_dim = config.n_obs_steps * (sum(vector_dims.values()) + image_dim)
-
-    def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        features = []
-        for key in self.keys:
-            frames = batch[key]
-            if key in self.image_keys:
-                index = self.image_keys.index(key) if len(self.rgb_encoders) > 1 else 0
-                batch_size, num_steps = frames.shape[:2]
-                encoded = self.rgb_encoders[index](frames.flatten(0, 1))
-                frames = encoded.reshape(batch_size, num_steps, -1)
-            features.append(frames)
-        return torch.cat(features, dim=-1).flatten(1)
+    def forward(self, images_NCHW: Tensor, corners: list[tuple[int, int]] | None = None) -> Tensor:
+        features = torch.flatten(self.pool(self.backbone(self.preprocess(images_NCHW, corners))), start_dim=1)
+        return self.relu(self.out(features))
 
 
 # --- the conditional U-Net -------------------------------------------------------------------------------
 
 
-def timestep_embedding(timesteps_B: Tensor, dim: int) -> Tensor:
-    """(B,) diffusion timesteps -> (B, dim) [sin, cos] embedding (the transformer's 10000 base)."""
-    half = dim // 2
-    frequencies = torch.exp(
-        torch.arange(half, device=timesteps_B.device, dtype=torch.float32) * -(math.log(10000.0) / (half - 1))
-    )
-    angles_BH = timesteps_B.float()[:, None] * frequencies[None, :]
-    return torch.cat([angles_BH.sin(), angles_BH.cos()], dim=-1)
+class DiffusionSinusoidalPosEmb(nn.Module):
+    """(B,) diffusion timesteps -> (B, dim) [sin, cos] embedding (the transformer's 10000 base), float32."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, timesteps_B: Tensor) -> Tensor:
+        half = self.dim // 2
+        scale = math.log(10000) / (half - 1)
+        frequencies = torch.exp(torch.arange(half, device=timesteps_B.device) * -scale)
+        angles_BH = timesteps_B.unsqueeze(-1) * frequencies.unsqueeze(0)
+        return torch.cat((angles_BH.sin(), angles_BH.cos()), dim=-1)
 
 
-class Conv1dBlock(nn.Sequential):
+class DiffusionConv1dBlock(nn.Module):
     """Conv1d -> GroupNorm -> Mish, keeping the time length."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, n_groups: int) -> None:
-        super().__init__(
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, n_groups: int = 8) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
             nn.Conv1d(in_channels, out_channels, kernel_size, padding=kernel_size // 2),
             nn.GroupNorm(n_groups, out_channels),
             nn.Mish(),
         )
 
+    def forward(self, x_BCT: Tensor) -> Tensor:
+        return self.block(x_BCT)
 
-class ConditionalResidualBlock1d(nn.Module):
+
+class DiffusionConditionalResidualBlock1d(nn.Module):
     """Two Conv1dBlocks with FiLM between them: the conditioning gives a per-channel scale and bias (or a bias
     only without `use_film_scale_modulation`)."""
 
     def __init__(self, in_channels: int, out_channels: int, cond_dim: int, config: DiffusionConfig) -> None:
         super().__init__()
         self.out_channels = out_channels
-        self.use_scale = config.use_film_scale_modulation
-        self.conv1 = Conv1dBlock(in_channels, out_channels, config.kernel_size, config.n_groups)
-        self.cond_encoder = nn.Sequential(
-            nn.Mish(), nn.Linear(cond_dim, 2 * out_channels if self.use_scale else out_channels)
-        )
-        self.conv2 = Conv1dBlock(out_channels, out_channels, config.kernel_size, config.n_groups)
+        self.use_film_scale_modulation = config.use_film_scale_modulation
+        self.conv1 = DiffusionConv1dBlock(in_channels, out_channels, config.kernel_size, config.n_groups)
+        cond_channels = 2 * out_channels if self.use_film_scale_modulation else out_channels
+        self.cond_encoder = nn.Sequential(nn.Mish(), nn.Linear(cond_dim, cond_channels))
+        self.conv2 = DiffusionConv1dBlock(out_channels, out_channels, config.kernel_size, config.n_groups)
         self.residual_conv: nn.Module = (
             nn.Conv1d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
         )
 
     def forward(self, x_BCT: Tensor, cond_BD: Tensor) -> Tensor:
         out = self.conv1(x_BCT)
-        film = self.cond_encoder(cond_BD)[:, :, None]
-        if self.use_scale:
+        film = self.cond_encoder(cond_BD).unsqueeze(-1)
+        if self.use_film_scale_modulation:
             out = film[:, : self.out_channels] * out + film[:, self.out_channels :]
         else:
             out = out + film
         return self.conv2(out) + self.residual_conv(x_BCT)
 
 
-class ConditionalUnet1d(nn.Module):
+class DiffusionConditionalUnet1d(nn.Module):
     """The denoiser: (noisy actions (B, T, A), timesteps (B,), global conditioning (B, G)) -> (B, T, A).
 
     Levels of `down_dims` widths: two residual blocks each, every level but the last halving T; two middle
@@ -234,16 +241,18 @@ class ConditionalUnet1d(nn.Module):
     def __init__(self, config: DiffusionConfig, action_dim: int, global_cond_dim: int) -> None:
         super().__init__()
         embed_dim = config.diffusion_step_embed_dim
-        self.embed_dim = embed_dim
+        self.gradient_checkpointing = config.gradient_checkpointing
         self.diffusion_step_encoder = nn.Sequential(
-            nn.Linear(embed_dim, 4 * embed_dim), nn.Mish(), nn.Linear(4 * embed_dim, embed_dim)
+            DiffusionSinusoidalPosEmb(embed_dim),
+            nn.Linear(embed_dim, 4 * embed_dim),
+            nn.Mish(),
+            nn.Linear(4 * embed_dim, embed_dim),
         )
         cond_dim = embed_dim + global_cond_dim
-        widths = [action_dim, *config.down_dims]
-        levels = list(zip(widths[:-1], widths[1:]))
+        levels = [(action_dim, config.down_dims[0]), *zip(config.down_dims[:-1], config.down_dims[1:])]
 
-        def block(in_channels: int, out_channels: int) -> ConditionalResidualBlock1d:
-            return ConditionalResidualBlock1d(in_channels, out_channels, cond_dim, config)
+        def block(in_channels: int, out_channels: int) -> DiffusionConditionalResidualBlock1d:
+            return DiffusionConditionalResidualBlock1d(in_channels, out_channels, cond_dim, config)
 
         self.down_modules = nn.ModuleList()
         for index, (in_channels, out_channels) in enumerate(levels):
@@ -267,43 +276,168 @@ class ConditionalUnet1d(nn.Module):
             )
         first = config.down_dims[0]
         self.final_conv = nn.Sequential(
-            Conv1dBlock(first, first, config.kernel_size, config.n_groups), nn.Conv1d(first, action_dim, 1)
+            DiffusionConv1dBlock(first, first, config.kernel_size), nn.Conv1d(first, action_dim, 1)
         )
+
+    def _block(self, block: nn.Module, x_BCT: Tensor, cond_BD: Tensor) -> Tensor:
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(block, x_BCT, cond_BD, use_reentrant=False)
+        return block(x_BCT, cond_BD)
 
     def forward(self, noisy_BTA: Tensor, timesteps_B: Tensor, global_cond_BG: Tensor) -> Tensor:
         # Compute in the dtype of the incoming sample (FSDP's mixed precision casts inputs at unit boundaries).
         x_BCT = noisy_BTA.transpose(1, 2)
-        step_embedding = timestep_embedding(timesteps_B, self.embed_dim).to(x_BCT.dtype)
-        cond_BD = torch.cat([self.diffusion_step_encoder(step_embedding), global_cond_BG.to(x_BCT.dtype)], dim=-1)
+        step_embedding = self.diffusion_step_encoder[0](timesteps_B).to(x_BCT.dtype)
+        for layer in list(self.diffusion_step_encoder)[1:]:
+            step_embedding = layer(step_embedding)
+        cond_BD = torch.cat([step_embedding, global_cond_BG.to(x_BCT.dtype)], dim=-1)
         skips = []
         for first_block, second_block, downsample in self.down_modules:
-            x_BCT = second_block(first_block(x_BCT, cond_BD), cond_BD)
+            x_BCT = self._block(second_block, self._block(first_block, x_BCT, cond_BD), cond_BD)
             skips.append(x_BCT)
             x_BCT = downsample(x_BCT)
         for mid_block in self.mid_modules:
-            x_BCT = mid_block(x_BCT, cond_BD)
+            x_BCT = self._block(mid_block, x_BCT, cond_BD)
         for first_block, second_block, upsample in self.up_modules:
             x_BCT = torch.cat([x_BCT, skips.pop()], dim=1)
-            x_BCT = upsample(second_block(first_block(x_BCT, cond_BD), cond_BD))
+            x_BCT = upsample(self._block(second_block, self._block(first_block, x_BCT, cond_BD), cond_BD))
         # A copy, not a view: FSDP2 warns that an in-place op on a unit's view output would skip its hooks.
         return self.final_conv(x_BCT).transpose(1, 2).contiguous()
+
+
+# --- the diffusion model (LeRobot's `policy.diffusion`) --------------------------------------------------
+
+
+Corners = dict[str, list[tuple[int, int]]]  # per camera key, one (top, left) crop corner per sample
+
+
+class DiffusionModel(nn.Module):
+    """Observation encoders, the U-Net and the noise scheduler: LeRobot's ``DiffusionModel`` (the policy's
+    ``diffusion`` child, hence the ``diffusion.`` prefix of every state_dict key).
+
+    The global conditioning of a sample is, per observation step, [state features, camera features (camera by
+    camera), environment state features], flattened over the steps: (B, n_obs_steps * per-step features).
+    """
+
+    def __init__(self, config: DiffusionConfig, input_features: dict[str, FeatureSpec], action_dim: int,
+                 load_backbone_weights: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.action_dim = action_dim
+        self.state_keys = [key for key, spec in input_features.items() if spec["type"] == "STATE"]
+        self.image_keys = [key for key, spec in input_features.items() if spec["type"] == "VISUAL"]
+        self.env_keys = [key for key, spec in input_features.items() if spec["type"] == "ENV"]
+        for key in self.state_keys + self.env_keys:
+            if len(input_features[key]["shape"]) != 1:
+                raise config_error("policy.observation_keys", list(input_features),
+                                   f"Diffusion takes 1-D state features, but {key!r} has shape "
+                                   f"{list(input_features[key]['shape'])}", f"leave {key!r} out of policy.observation_keys")
+        per_step_dim = sum(int(input_features[key]["shape"][0]) for key in self.state_keys + self.env_keys)
+        if self.image_keys:
+            image_chw = list(input_features[self.image_keys[0]]["shape"])
+            shapes = {key: list(input_features[key]["shape"]) for key in self.image_keys}
+            if any(shape != image_chw for shape in shapes.values()):
+                raise config_error(
+                    "policy.observation_keys", list(input_features),
+                    f"Diffusion (as LeRobot's) needs every camera of the same shape; got {shapes}",
+                    "policy.observation_keys=<the cameras of one shape, and the states>",
+                )
+            if config.use_separate_rgb_encoder_per_camera:
+                self.rgb_encoder: nn.Module = nn.ModuleList(
+                    DiffusionRgbEncoder(config, image_chw, load_backbone_weights) for _ in self.image_keys
+                )
+                feature_dim = self.rgb_encoder[0].feature_dim
+            else:
+                self.rgb_encoder = DiffusionRgbEncoder(config, image_chw, load_backbone_weights)
+                feature_dim = self.rgb_encoder.feature_dim
+            per_step_dim += feature_dim * len(self.image_keys)
+        self.global_cond_dim = per_step_dim * config.n_obs_steps
+        self.unet = DiffusionConditionalUnet1d(config, action_dim, self.global_cond_dim)
+        if config.compile_model:
+            self.unet.compile(mode=config.compile_mode)  # in place: the state_dict keys stay the same
+        self.noise_scheduler = make_noise_scheduler(config)
+
+    def _image_features(self, batch: dict[str, Tensor], corners: Corners | None) -> Tensor:
+        """(B, S, cameras * feature_dim): each camera's frames through its encoder in one call (in training, batch
+        norm's statistics are those of all B * S frames, as in LeRobot)."""
+        batch_size, num_steps = batch[self.image_keys[0]].shape[:2]
+
+        def frame_corners(keys: list[str]) -> list[tuple[int, int]] | None:
+            if corners is None:
+                return None  # (b, s, camera) order, as the frames are flattened
+            return [corners[key][sample] for sample in range(batch_size) for _ in range(num_steps) for key in keys]
+
+        if isinstance(self.rgb_encoder, nn.ModuleList):
+            per_camera = [
+                encoder(batch[key].flatten(0, 1), frame_corners([key])).reshape(batch_size, num_steps, -1)
+                for encoder, key in zip(self.rgb_encoder, self.image_keys, strict=True)
+            ]
+            return torch.cat(per_camera, dim=-1)
+        frames = torch.stack([batch[key] for key in self.image_keys], dim=2).flatten(0, 2)
+        return self.rgb_encoder(frames, frame_corners(self.image_keys)).reshape(batch_size, num_steps, -1)
+
+    def global_conditioning(self, batch: dict[str, Tensor], corners: Corners | None = None) -> Tensor:
+        features = [batch[key] for key in self.state_keys]
+        if self.image_keys:
+            features.append(self._image_features(batch, corners))
+        features.extend(batch[key] for key in self.env_keys)
+        return torch.cat(features, dim=-1).flatten(start_dim=1)
+
+    def compute_loss(self, batch: dict[str, Tensor], eps_BTA: Tensor, timesteps_B: Tensor,
+                     corners: Corners | None = None) -> Tensor:
+        """LeRobot's loss given the noise and timesteps: mean squared error of the U-Net's prediction (the noise,
+        or the clean chunk), over every entry, or with `do_mask_loss_for_padding` over the in-episode ones."""
+        cond_BG = self.global_conditioning(batch, corners)
+        trajectory_BTA = batch["action"]
+        noisy_BTA = self.noise_scheduler.add_noise(trajectory_BTA, eps_BTA, timesteps_B)
+        prediction_BTA = self.unet(noisy_BTA, timesteps_B, cond_BG).to(eps_BTA.dtype)
+        target_BTA = eps_BTA if self.config.prediction_type == "epsilon" else trajectory_BTA
+        loss_BTA = F.mse_loss(prediction_BTA, target_BTA, reduction="none")
+        if self.config.do_mask_loss_for_padding:
+            mask_BT1 = ~batch["action_is_pad"].unsqueeze(-1)
+            return (loss_BTA * mask_BT1).sum() / (mask_BT1.sum() * loss_BTA.shape[-1]).clamp_min(1)
+        return loss_BTA.mean()
+
+    def conditional_sample(self, cond_BG: Tensor, noise_BTA: Tensor | None = None,
+                           generator: torch.Generator | None = None) -> Tensor:
+        """The scheduler's reverse process from `noise_BTA` (else fresh Gaussian noise) to a (B, horizon, A)
+        chunk; float32 samples whatever the U-Net's dtype."""
+        if noise_BTA is None:
+            noise_BTA = torch.randn(cond_BG.shape[0], self.config.horizon, self.action_dim, device=cond_BG.device,
+                                    generator=generator)
+        sample_BTA = noise_BTA
+        self.noise_scheduler.set_timesteps(self.config.inference_steps)
+        for timestep in self.noise_scheduler.timesteps:
+            timesteps_B = torch.full(sample_BTA.shape[:1], timestep, dtype=torch.long, device=sample_BTA.device)
+            output_BTA = self.unet(sample_BTA.to(cond_BG.dtype), timesteps_B, cond_BG).to(sample_BTA.dtype)
+            sample_BTA = self.noise_scheduler.step(output_BTA, timestep, sample_BTA, generator=generator).prev_sample
+        return sample_BTA
 
 
 # --- the policy ------------------------------------------------------------------------------------------
 
 
 class DiffusionPolicy(PreTrainedPolicy):
+    """LeRobot's ``DiffusionPolicy``: its state_dict is ``diffusion.rgb_encoder.*`` (one encoder per camera with
+    ``use_separate_rgb_encoder_per_camera``), ``diffusion.unet.*``.
+
+    ``load_backbone_weights=False`` builds it without reading ``pretrained_backbone_weights``: what a policy about
+    to receive a checkpoint's weights wants (the checkpoint holds the trained backbone).
+    """
+
     name: ClassVar[str] = "diffusion"
     config_class: ClassVar[type] = DiffusionConfig
     # Activation checkpointing recomputes each residual block (and each image-backbone block): size-based wrap
     # units would be single convolutions (nothing to save) or the whole U-Net (everything recomputed at once).
-    _checkpoint_modules: ClassVar[list[str]] = ["ConditionalResidualBlock1d", "BasicBlock"]
+    _checkpoint_modules: ClassVar[list[str]] = ["DiffusionConditionalResidualBlock1d", "ResNetBasicBlock", "BasicBlock"]
 
     def __init__(
         self,
         config: DiffusionConfig,
         input_features: dict[str, FeatureSpec],
         output_features: dict[str, FeatureSpec],
+        *,
+        load_backbone_weights: bool = True,
     ) -> None:
         super().__init__(config, input_features, output_features)
         self.config: DiffusionConfig = config
@@ -312,20 +446,29 @@ class DiffusionPolicy(PreTrainedPolicy):
                                "a dataset (dataset.root) whose 'action' feature is 1-D")
         self.action_dim = int(output_features["action"]["shape"][0])
         self.image_keys = [key for key, spec in self.input_features.items() if spec["type"] == "VISUAL"]
-        encoder_features = {key: dict(spec) for key, spec in self.input_features.items()}
-        if config.crop_shape is not None:
-            for key in self.image_keys:
-                _, height, width = self.input_features[key]["shape"]
-                crop_height, crop_width = config.crop_shape
-                if crop_height > height or crop_width > width:
-                    raise config_error(
-                        "policy.crop_shape", list(config.crop_shape), f"is larger than the images of {key!r} "
-                        f"({height}x{width})", f"policy.crop_shape=[{height},{width}], or policy.crop_shape=null"
-                    )
-                encoder_features[key]["shape"] = [self.input_features[key]["shape"][0], crop_height, crop_width]
-        self.obs_encoder = ObservationEncoder(config, encoder_features)  # type: ignore[arg-type]
-        self.unet = ConditionalUnet1d(config, self.action_dim, self.obs_encoder.cond_dim)
-        self.noise_schedule = NoiseSchedule(config)
+        self._check_image_sizes()
+        self.diffusion = DiffusionModel(config, self.input_features, self.action_dim,  # type: ignore[arg-type]
+                                        load_backbone_weights)
+
+    def _image_hw(self) -> tuple[int, int] | None:
+        """The (height, width) the crop is taken from: the resized size, else the cameras' own."""
+        if not self.image_keys:
+            return None
+        if self.config.resize_shape is not None:
+            return int(self.config.resize_shape[0]), int(self.config.resize_shape[1])
+        _, height, width = self.input_features[self.image_keys[0]]["shape"]
+        return int(height), int(width)
+
+    def _check_image_sizes(self) -> None:
+        crop, image_hw = self.config.image_crop_shape, self._image_hw()
+        if crop is None or image_hw is None:
+            return
+        height, width = image_hw
+        if crop[0] > height or crop[1] > width:
+            raise config_error(
+                "policy.crop_shape", list(crop), f"is larger than the images of {self.image_keys} ({height}x{width})",
+                f"policy.crop_shape=[{height},{width}], or policy.crop_shape=null",
+            )
 
     def _check_inputs(self, batch: dict[str, Tensor], need_action: bool) -> None:
         self._require_keys(batch, need_action)
@@ -342,76 +485,47 @@ class DiffusionPolicy(PreTrainedPolicy):
                 f"{self.config.horizon}; load actions at policy.action_delta_indices."
             )
 
-    def _crop(self, batch: dict[str, Tensor], corners: dict[str, list[tuple[int, int]]] | None) -> dict[str, Tensor]:
-        """Images cropped to `crop_shape`: at each sample's own corner in training, at the centre otherwise."""
-        if self.config.crop_shape is None or not self.image_keys:
-            return batch
-        crop_height, crop_width = self.config.crop_shape
-        cropped = dict(batch)
-        for key in self.image_keys:
-            images_BTCHW = batch[key]
-            height, width = images_BTCHW.shape[-2:]
-            if corners is None:
-                top, left = (height - crop_height) // 2, (width - crop_width) // 2
-                cropped[key] = images_BTCHW[..., top : top + crop_height, left : left + crop_width]
-            else:
-                cropped[key] = torch.stack(
-                    [
-                        sample[..., top : top + crop_height, left : left + crop_width]
-                        for sample, (top, left) in zip(images_BTCHW, corners[key])
-                    ]
-                )
-        return cropped
-
-    def _training_draws(
-        self, batch: dict[str, Tensor], batch_size: int
-    ) -> tuple[Tensor, Tensor, dict[str, list[tuple[int, int]]] | None]:
-        """(timesteps (B,), noise (B, horizon, A) float32, crop corners), each sample from its own seed."""
+    def _training_draws(self, batch: dict[str, Tensor], batch_size: int) -> tuple[Tensor, Tensor, Corners | None]:
+        """(timesteps (B,), noise (B, horizon, A) float32, crop corners), each sample from its own seed. The crop
+        is random in training mode only (LeRobot's RandomCrop), at the centre otherwise. Host-side work: the seeds
+        stay on the host (step.HOST_KEYS) and the draws are made there, then copied to the device."""
         seeds = batch.get(SAMPLE_SEED_KEY)
         if seeds is None:
             seeds = torch.randint(0, 2**62, (batch_size,))
         config = self.config
-        random_crop = config.crop_is_random and config.crop_shape is not None and bool(self.image_keys)
+        crop, image_hw = config.image_crop_shape, self._image_hw()
+        random_crop = self.training and config.crop_is_random and crop is not None and image_hw is not None
         timesteps, noises = [], []
-        corners: dict[str, list[tuple[int, int]]] = {key: [] for key in self.image_keys}
+        corners: Corners = {key: [] for key in self.image_keys}
         for seed in seeds.tolist():
             generator = torch.Generator().manual_seed(seed)
-            timesteps.append(int(torch.randint(config.num_train_timesteps, (1,), generator=generator)))
+            timesteps.append(torch.randint(config.num_train_timesteps, (1,), generator=generator))
             noises.append(torch.randn(config.horizon, self.action_dim, generator=generator))
             if random_crop:
                 for key in self.image_keys:
-                    height, width = batch[key].shape[-2:]
-                    top = int(torch.randint(height - config.crop_shape[0] + 1, (1,), generator=generator))
-                    left = int(torch.randint(width - config.crop_shape[1] + 1, (1,), generator=generator))
+                    top = int(torch.randint(image_hw[0] - crop[0] + 1, (1,), generator=generator))
+                    left = int(torch.randint(image_hw[1] - crop[1] + 1, (1,), generator=generator))
                     corners[key].append((top, left))
-        return torch.tensor(timesteps), torch.stack(noises), corners if random_crop else None
+        return torch.cat(timesteps), torch.stack(noises), corners if random_crop else None
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """Mean squared error of the U-Net's noise (or clean-chunk) prediction at each sample's random
-        timestep; with `do_mask_loss_for_padding`, padded frames count as zero error (every sample weighs the
-        same, so data-parallel ranks average to the one-process loss)."""
+        """LeRobot's loss at each sample's own random timestep and noise (see DiffusionModel.compute_loss)."""
         self._check_inputs(batch, need_action=True)
-        actions_BTA = batch["action"]
-        device = actions_BTA.device
-        timesteps_B, noise_BTA, corners = self._training_draws(batch, actions_BTA.shape[0])
-        timesteps_B, noise_BTA = timesteps_B.to(device), noise_BTA.to(device)
-        cond_BG = self.obs_encoder(self._crop(batch, corners))
-        noisy_BTA = self.noise_schedule.add_noise(actions_BTA.float(), noise_BTA, timesteps_B)
-        prediction_BTA = self.unet(noisy_BTA.to(actions_BTA.dtype), timesteps_B, cond_BG)
-        target_BTA = noise_BTA if self.config.prediction_type == "epsilon" else actions_BTA.float()
-        squared_error_BTA = (prediction_BTA.float() - target_BTA) ** 2
-        if self.config.do_mask_loss_for_padding and "action_is_pad" in batch:
-            squared_error_BTA = torch.where(batch["action_is_pad"][..., None], 0.0, squared_error_BTA)
-        return squared_error_BTA.mean(), {}
+        device = batch["action"].device
+        timesteps_B, eps_BTA, corners = self._training_draws(batch, batch["action"].shape[0])
+        loss = self.diffusion.compute_loss(batch, eps_BTA.to(device), timesteps_B.to(device), corners)
+        return loss, {}
 
     @torch.no_grad()
-    def predict_action_chunk(self, batch: dict[str, Tensor]) -> Tensor:
-        """Denoise Gaussian noise into a (B, horizon, A) chunk, conditioned on the observation history."""
+    def predict_action_chunk(self, batch: dict[str, Tensor], noise: Tensor | None = None) -> Tensor:
+        """Denoise `noise` (B, horizon, A) (else fresh Gaussian noise) into a (B, horizon, A) chunk, conditioned
+        on the observation history (centre crop, as in evaluation)."""
         self._check_inputs(batch, need_action=False)
-        cond_BG = self.obs_encoder(self._crop(batch, None))
-        sample_BTA = torch.randn(cond_BG.shape[0], self.config.horizon, self.action_dim, device=cond_BG.device)
-        for timestep in self.noise_schedule.inference_timesteps():
-            timesteps_B = torch.full((cond_BG.shape[0],), timestep, device=cond_BG.device, dtype=torch.long)
-            prediction_BTA = self.unet(sample_BTA.to(cond_BG.dtype), timesteps_B, cond_BG).float()
-            sample_BTA = self.noise_schedule.step(prediction_BTA, timestep, sample_BTA)
-        return sample_BTA
+        return self.diffusion.conditional_sample(self.diffusion.global_conditioning(batch), noise)
+
+    @torch.no_grad()
+    def generate_actions(self, batch: dict[str, Tensor], noise: Tensor | None = None) -> Tensor:
+        """The n_action_steps actions from the current frame on, (B, n_action_steps, A): LeRobot's
+        ``predict_action_chunk`` (its ``generate_actions``)."""
+        start = self.config.n_obs_steps - 1
+        return self.predict_action_chunk(batch, noise)[:, start : start + self.config.n_action_steps]
