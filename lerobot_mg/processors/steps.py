@@ -77,8 +77,10 @@ class ToBatchStep(ProcessorStep):
 
 @register_step
 class DeviceStep(ProcessorStep):
-    """Moves every tensor of the batch to ``device`` (and floating ones to ``float_dtype`` when set). The pipeline's
-    ``to(device)`` retargets it; the file records the device type (``cuda``, not ``cuda:1``), as LeRobot's does."""
+    """Moves the policy's tensors (``observation.*`` and ``action*``: inputs, targets, padding masks) to ``device``,
+    floating ones cast to ``float_dtype`` when set; the rest of the batch (indices, the per-sample seeds the policies
+    read on the host) stays where it is. The pipeline's ``to(device)`` retargets it; the file records the device type
+    (``cuda``, not ``cuda:1``), as LeRobot's does."""
 
     registry_name: ClassVar[str] = "device_processor"
 
@@ -93,7 +95,7 @@ class DeviceStep(ProcessorStep):
         dtype = FLOAT_DTYPES[self.float_dtype] if self.float_dtype is not None else None
         out = dict(batch)
         for key, value in batch.items():
-            if isinstance(value, Tensor):
+            if isinstance(value, Tensor) and key.startswith(("observation.", "action")):
                 value = value.to(self.device, non_blocking=self.device.type == "cuda")
                 out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
         return out

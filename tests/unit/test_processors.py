@@ -208,8 +208,11 @@ def test_the_batch_device_and_rename_steps() -> None:
         "observation.state": (1, 2), "observation.images.top": (1, 3, 4, 4), "action": (1, 2), "index": (1,),
         "action_is_pad": (1,)}
     assert batched["task"] == ["push"] and ToBatchStep()(batched)["observation.state"].shape == (1, 2)
-    cast = DeviceStep("cpu", "bfloat16")({"x": torch.zeros(2), "mask": torch.zeros(2, dtype=torch.bool)})
-    assert (cast["x"].dtype, cast["mask"].dtype) == (torch.bfloat16, torch.bool)
+    cast = DeviceStep("cpu", "bfloat16")({"observation.state": torch.zeros(2), "action_is_pad": torch.zeros(2).bool(),
+                                          "sample_seed": torch.zeros(2)})
+    assert [cast[key].dtype for key in cast] == [torch.bfloat16, torch.bool, torch.float32]
+    on_meta = DeviceStep("meta")({"observation.state": torch.zeros(2), "sample_seed": torch.zeros(2)})
+    assert (on_meta["observation.state"].device.type, on_meta["sample_seed"].device.type) == ("meta", "cpu")
     assert DeviceStep("cpu").get_config() == {"device": "cpu", "float_dtype": None}
     with pytest.raises(ConfigError, match=r"device_processor.float_dtype='int8': .* Fix: one of"):
         DeviceStep("cpu", "int8")
