@@ -34,7 +34,7 @@ from lerobot_mg.peft.build import build_policy, describe_finetune, processors_di
 from lerobot_mg.peft.lora import AdapterWeights
 from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.preflight import preflight
-from lerobot_mg.processors import processors_for
+from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
 from lerobot_mg.step import Stepper
 from lerobot_mg.tracking import RunTracker, log_resume, print_banner
@@ -79,7 +79,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
                                      cache_dir=dataset.cache_dir)
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's
-    preprocessor, postprocessor = processors_for(cfg.policy, policy, dataset.stats, saved_processors)
+    preprocessor, postprocessor = processors_for(cfg.policy, policy, dataset.stats, saved_processors,
+                                                 camera_keys(meta.features) if cfg.dataset.use_imagenet_stats else ())
     preprocessor = preprocessor.to(accelerator.device)
     # Before the optimizer exists: it must see the sharded parameters of the wrap units.
     prepare_units(accelerator, policy, cfg.accelerator, dims)  # collective: checkpointing, compile, sharding

@@ -144,6 +144,9 @@ class DatasetConfig:
     repo_id: str | None = None  # <user>/<dataset> on the Hub; the default preset's root then gives way to it
     revision: str | None = None  # a branch, tag or commit of the dataset repo; null: its default branch
     episodes: list[int] | None = None
+    # LeRobot's training rule: each camera is normalised with ImageNet's mean/std instead of the dataset's (what
+    # pretrained vision backbones expect; LeRobot applies it to every backbone, and so do its checkpoints' files).
+    use_imagenet_stats: bool = True
 
     def from_repo(self, root_typed: bool) -> DatasetConfig:
         """This group with ``repo_id`` in charge: a root the user did not type (the embedded preset's cache

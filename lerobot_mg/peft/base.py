@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.loading import override_keys
+from lerobot_mg.config.policy import is_repo_id
 from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
@@ -72,8 +73,25 @@ def base_features(path: str) -> tuple[dict[str, FeatureSpec], dict[str, FeatureS
 
 
 def adapter_base_path(adapter_dir: Path) -> str:
-    """The base model path an adapter_config.json records."""
-    return str(json.loads((Path(adapter_dir) / L.ADAPTER_CONFIG_JSON).read_text())["base_model_name_or_path"])
+    """The base directory of the adapter in ``adapter_dir``: adapter_config.json's ``base_model_name_or_path``, a
+    directory (ours are absolute), else a relative one as LeRobot writes it (the ``--policy.path`` typed, relative to
+    the directory training ran in): looked up from the current directory (where PEFT looks), then from each folder
+    above the adapter, else a Hub model repo id resolved through huggingface_hub's cache."""
+    recorded = json.loads((Path(adapter_dir) / L.ADAPTER_CONFIG_JSON).read_text()).get("base_model_name_or_path")
+    if not recorded:
+        raise ConfigError(f"{Path(adapter_dir) / L.ADAPTER_CONFIG_JSON}: records no base_model_name_or_path. Fix: "
+                          "set it to the base's pretrained_model directory")
+    candidates = [Path(recorded), *(folder / recorded for folder in Path(adapter_dir).resolve().parents)]
+    found = next((path for path in candidates if path.is_dir()), None)
+    if found is not None:
+        return str(found.resolve())
+    if is_repo_id(recorded):
+        return resolve_policy_path(recorded)
+    raise ConfigError(
+        f"{Path(adapter_dir) / L.ADAPTER_CONFIG_JSON} names the base model {recorded}, which is not a directory "
+        f"here, nor under any folder above the adapter. Fix: restore the base checkpoint there, or set "
+        "base_model_name_or_path to where it now lives"
+    )
 
 
 def stored_dtype(path: str) -> torch.dtype:

@@ -4,13 +4,21 @@ The trained module is peft's ``PeftModel``: its module names begin with ``base_m
 ``accelerator.fsdp.ignored_modules`` is matched against), LoRA layers replace the targeted modules in place (so
 the policy's FSDP wrap units are still found by class name), and ``full_training_modules`` become peft's
 ``modules_to_save``: trainable copies beside the frozen originals. A checkpoint stores the trainable parameters
-only, under the keys peft's own ``get_peft_model_state_dict`` gives them (``adapter_model.safetensors``), with
-the ``LoraConfig`` (``adapter_config.json``, which records the base model path).
+only, under the keys peft's own ``get_peft_model_state_dict`` gives them (``adapter_model.safetensors``:
+``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), with the ``LoraConfig`` as
+``PeftModel.save_pretrained`` writes it (``adapter_config.json``: inference mode, the base model path and class):
+the layout of a LeRobot 0.6.1 LoRA checkpoint, which PEFT's ``PeftModel.from_pretrained`` loads on the base. A
+LeRobot LoRA checkpoint loads here the same way, its relative base path resolved as
+:func:`lerobot_mg.peft.base.adapter_base_path` says. :func:`save_merged` writes the merged policy as a plain
+``pretrained_model/``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,9 +154,11 @@ def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: st
     the base's dtype). ``adapter_config.json`` will record ``base_path``, resolved."""
     from peft import LoraConfig, get_peft_model
 
+    alpha = peft_cfg.alpha()
     config = LoraConfig(
         r=peft_cfg.r,
-        lora_alpha=peft_cfg.alpha(),  # always explicit: peft's default (8) would scale the adapter by 8 / r
+        # Always explicit: peft's default (8) would scale the adapter by 8 / r. An integer when it is one (PEFT's type).
+        lora_alpha=int(alpha) if alpha.is_integer() else alpha,
         lora_dropout=peft_cfg.dropout,
         target_modules=resolve_targets(peft_cfg, type(policy)),
         modules_to_save=list(peft_cfg.full_training_modules) if peft_cfg.full_training_modules else None,
@@ -157,7 +167,17 @@ def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: st
     model = get_peft_model(policy, config, adapter_name=ADAPTER_NAME)
     # get_peft_model takes the name from the model (a transformers attribute our policies lack).
     config.base_model_name_or_path = str(Path(base_path).resolve())
+    _mark_peft(policy.config, config.base_model_name_or_path)
     return model
+
+
+def _mark_peft(policy_cfg: Any, base_path: str | None) -> None:
+    """LeRobot's record of a PEFT policy in its config (config.json, train_config.json): ``use_peft`` and the base
+    in ``pretrained_path``; LeRobot's loaders read an adapter directory as one only when ``use_peft`` is true."""
+    names = {field.name for field in dataclasses.fields(policy_cfg)}
+    for name, value in (("use_peft", base_path is not None), ("pretrained_path", base_path)):
+        if name in names:
+            setattr(policy_cfg, name, value)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -213,9 +233,14 @@ class AdapterWeights:
         return {name_of[key]: value for key, value in adapter_state.items()}
 
     def write_configs(self, directory: Path) -> None:
-        """config.json (the policy) and adapter_config.json (the LoRA settings and the base model path)."""
-        self.model.get_base_model().write_config(directory)
-        self.model.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
+        """config.json (the policy) and adapter_config.json (the LoRA settings and the base model path), as
+        ``PeftModel.save_pretrained`` writes it: in inference mode, with the base model's class."""
+        base = self.model.get_base_model()
+        base.write_config(directory)
+        config = copy.deepcopy(self.model.peft_config[ADAPTER_NAME])
+        config.inference_mode = True
+        config.save_pretrained(str(directory), auto_mapping_dict={
+            "base_model_class": type(base).__name__, "parent_library": type(base).__module__})
 
     def write(self, directory: Path, adapter_state: dict[str, Tensor]) -> None:
         """The configs and adapter_model.safetensors (``adapter_state`` is keyed like it); main process only."""
@@ -227,16 +252,15 @@ class AdapterWeights:
 def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
     """Base (from the path adapter_config.json records) + adapter, in eval mode. ``merge_adapter`` folds the
     adapter into the base weights and returns the plain policy; otherwise the PeftModel (same outputs)."""
-    from peft import PeftModel  # the peft extra: imported by runs that use it (it pulls in transformers)
+    from peft import PeftConfig as LibraryPeftConfig  # the peft extra: imported by runs that use it
+    from peft import PeftModel
 
-    base_path = Path(adapter_base_path(directory))
-    if not base_path.is_dir():
-        raise ConfigError(
-            f"{directory / L.ADAPTER_CONFIG_JSON} names the base model {base_path}, which does not exist. Fix: "
-            "restore the base checkpoint there, or edit base_model_name_or_path to where it now lives"
-        )
-    base = load_policy(base_path, map_location=map_location, merge_adapter=True)
-    model = PeftModel.from_pretrained(base, str(directory), adapter_name=ADAPTER_NAME, is_trainable=False)
+    base_path = adapter_base_path(directory)  # a LeRobot adapter's relative path resolved
+    base = load_policy(Path(base_path), map_location=map_location, merge_adapter=True)
+    config = LibraryPeftConfig.from_pretrained(str(directory))
+    config.base_model_name_or_path = base_path
+    model = PeftModel.from_pretrained(base, str(directory), adapter_name=ADAPTER_NAME, is_trainable=False,
+                                      config=config)
     model.to(map_location)
     model.eval()
     return model.merge_and_unload() if merge_adapter else model
@@ -249,3 +273,16 @@ def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool 
     if (Path(directory) / L.ADAPTER_CONFIG_JSON).is_file():
         return load_adapter_policy(Path(directory), map_location, merge_adapter)
     return load_pretrained(Path(directory), map_location=map_location)
+
+
+def save_merged(adapter_dir: Path, out_dir: Path) -> None:
+    """The PEFT checkpoint in ``adapter_dir`` as a plain ``pretrained_model/`` in ``out_dir``: the adapter merged
+    into its base (config.json + model.safetensors, no PEFT record), with the adapter's processors and
+    train_config.json beside it. LeRobot's and our ``from_pretrained`` load it like any policy."""
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    merged = load_adapter_policy(adapter_dir, merge_adapter=True)
+    _mark_peft(merged.config, None)
+    merged.save_pretrained(out_dir)
+    for path in sorted(adapter_dir.glob("policy_*")) + [adapter_dir / L.TRAIN_CONFIG_JSON]:
+        if path.is_file():
+            shutil.copy2(path, out_dir / path.name)

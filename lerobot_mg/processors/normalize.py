@@ -1,17 +1,24 @@
-"""Normalisation steps and the policy's pre/post-processor pair.
+"""Normalisation steps and the policy's pre/post-processor pair, as LeRobot 0.6.1 computes and saves them.
 
-Modes (per feature type, from `policy.normalization_mapping`):
-  MEAN_STD: (x - mean) / (std + eps)
-  MIN_MAX:  (x - min) / (max - min + eps) * 2 - 1, i.e. to [-1, 1]
+The mode of a feature is ``norm_map[feature type]`` (``policy.normalization_mapping``); a type the map lacks is
+IDENTITY (ACT's default map has no ENV entry, so ``observation.environment_state`` passes unchanged):
+  MEAN_STD: (x - mean) / (std + eps), inverse x * std + mean
+  MIN_MAX:  2 (x - min) / (max - min) - 1, to [-1, 1] (a zero range counts as eps), inverse (x + 1) / 2 * range + min
   IDENTITY: untouched
-The preprocessor normalises observation inputs and the `action` targets; the postprocessor maps the
-policy's `action` output back to dataset units. Keys absent from a batch are skipped (an inference batch
-carries no `action`), so the same preprocessor serves training and rollouts.
+The preprocessor normalises observation inputs and the ``action`` targets; the postprocessor maps the policy's
+``action`` output back to dataset units. Keys absent from a batch are skipped (an inference batch carries no
+``action``), so the same preprocessor serves training and rollouts. A step keeps every statistic of every dataset
+key (LeRobot's state file holds them all); 1-D statistics of a camera feature are reshaped to (C, 1, 1).
+
+Camera statistics: LeRobot's training replaces each camera's mean/std by ImageNet's before building the processors
+(``dataset.use_imagenet_stats``, true by default there and here), whatever the backbone; uint8 frames are scaled to
+[0, 1] before the preprocessor (lerobot_mg.step.to_device).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -19,25 +26,53 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lerobot_mg.errors import config_error
+from lerobot_mg.config.choices import FeatureType, NormalizationMode
+from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import FeatureSpec
 from lerobot_mg.processors.pipeline import PolicyProcessorPipeline, ProcessorStep, register_step
+from lerobot_mg.processors.steps import DeviceStep, RenameObservationsStep, ToBatchStep
 
-# Keeps a constant feature (std == 0 or max == min) finite instead of dividing by zero.
+# Keeps a constant feature (std == 0) finite instead of dividing by zero; LeRobot's default.
 DEFAULT_EPS = 1e-8
 
-STATS_PER_MODE: dict[str, tuple[str, ...]] = {
-    "MEAN_STD": ("mean", "std"),
-    "MIN_MAX": ("min", "max"),
-    "IDENTITY": (),
+STATS_PER_MODE: dict[NormalizationMode, tuple[str, ...]] = {
+    NormalizationMode.MEAN_STD: ("mean", "std"),
+    NormalizationMode.MIN_MAX: ("min", "max"),
+    NormalizationMode.IDENTITY: (),
 }
+# What LeRobot's training puts in place of a camera's mean and std (lerobot.utils.constants.IMAGENET_STATS).
+IMAGENET_STATS = {"mean": [[[0.485]], [[0.456]], [[0.406]]], "std": [[[0.229]], [[0.224]], [[0.225]]]}
 
 NormStepT = TypeVar("NormStepT", bound="_NormalizationStep")
 StatValue = Tensor | np.ndarray | list[Any] | float
 
 
+def camera_keys(dataset_features: dict[str, dict[str, Any]]) -> list[str]:
+    """The dataset's cameras: its features stored as images or video."""
+    return [key for key, spec in dataset_features.items() if spec.get("dtype") in ("image", "video")]
+
+
+def with_imagenet_stats(stats: dict[str, dict[str, StatValue]],
+                        cameras: Collection[str]) -> dict[str, dict[str, StatValue]]:
+    """``stats`` with each camera's mean and std replaced by ImageNet's, as LeRobot's training does
+    (``use_imagenet_stats``); the other statistics stay the dataset's."""
+    out = {key: dict(per_key) for key, per_key in stats.items()}
+    for key in cameras:
+        out.setdefault(key, {}).update({name: torch.tensor(value) for name, value in IMAGENET_STATS.items()})
+    return out
+
+
+def _mode(value: str, feature_type: str) -> NormalizationMode:
+    try:
+        return NormalizationMode(value)
+    except ValueError:
+        raise config_error(f"policy.normalization_mapping.{feature_type}", value, "is not a normalisation mode "
+                           "lerobot_mg implements", f"policy.normalization_mapping.{feature_type}=<one of "
+                           f"{[mode.value for mode in NormalizationMode]}>") from None
+
+
 class _NormalizationStep(ProcessorStep):
-    """Holds per-key statistics for the features it handles; subclasses pick the direction."""
+    """Holds the statistics of every dataset key; (un)normalises the ``features`` it was built for."""
 
     def __init__(
         self,
@@ -45,60 +80,69 @@ class _NormalizationStep(ProcessorStep):
         norm_map: dict[str, str],
         stats: dict[str, dict[str, StatValue]],
         eps: float = DEFAULT_EPS,
+        normalize_observation_keys: Collection[str] | None = None,
     ) -> None:
         self.features = {
-            key: {"type": spec["type"], "shape": list(spec["shape"])} for key, spec in features.items()
+            key: {"type": str(spec["type"]), "shape": list(spec["shape"])} for key, spec in features.items()
         }
-        self.norm_map = dict(norm_map)
+        self.norm_map = {str(key): str(value) for key, value in norm_map.items()}
         self.eps = eps
-        # Missing feature types are left unnormalised, like an explicit IDENTITY.
-        self.modes = {key: self.norm_map.get(spec["type"], "IDENTITY") for key, spec in self.features.items()}
-        self.stats: dict[str, dict[str, Tensor]] = {}
-        for key, mode in self.modes.items():
-            if mode not in STATS_PER_MODE:
-                feature_type = self.features[key]["type"]
-                raise config_error(f"policy.normalization_mapping.{feature_type}", mode,
-                                   f"is not a normalisation mode (for {key!r})",
-                                   f"policy.normalization_mapping.{feature_type}=<one of {list(STATS_PER_MODE)}>")
-            if mode == "IDENTITY":
-                continue
-            self.stats[key] = {}
-            for stat_name in STATS_PER_MODE[mode]:
-                value = stats.get(key, {}).get(stat_name)
-                if value is None:
-                    feature_type = self.features[key]["type"]
-                    raise config_error(
-                        f"policy.normalization_mapping.{feature_type}", mode,
-                        f"needs the {stat_name!r} statistic of {key!r}, which the dataset's stats lack",
-                        f"policy.normalization_mapping.{feature_type}=IDENTITY, or a dataset whose meta/stats.json "
-                        "includes it",
-                    )
-                tensor = torch.as_tensor(value, dtype=torch.float32).clone()
-                shape = tuple(self.features[key]["shape"])
-                try:
-                    broadcast = torch.broadcast_shapes(tensor.shape, shape)
-                except RuntimeError:
-                    broadcast = None
-                if broadcast != shape:
-                    raise config_error(
-                        f"stats[{key!r}][{stat_name!r}].shape", tuple(tensor.shape),
-                        f"does not broadcast to the feature shape {shape}; the stats belong to a different dataset",
-                        "the stats of this dataset (its meta/stats.json), or the dataset they belong to "
-                        "(dataset.root)",
-                    )
-                self.stats[key][stat_name] = tensor
+        self.normalize_observation_keys = (None if normalize_observation_keys is None
+                                           else sorted(normalize_observation_keys))
+        self.modes = {key: _mode(self.norm_map.get(spec["type"], NormalizationMode.IDENTITY.value), spec["type"])
+                      for key, spec in self.features.items()}
+        self.stats: dict[str, dict[str, Tensor]] = {
+            key: {name: torch.as_tensor(value, dtype=torch.float32).clone() for name, value in per_key.items()}
+            for key, per_key in stats.items()
+        }
+        for key, spec in self.features.items():  # LeRobot's broadcast shape for a camera's per-channel values
+            if spec["type"] == FeatureType.VISUAL.value and key in self.stats:
+                self.stats[key] = {name: value.reshape(-1, 1, 1) if value.dim() == 1 else value
+                                   for name, value in self.stats[key].items()}
+        for key in self.features:
+            self._check_stats(key)
+
+    def _check_stats(self, key: str) -> None:
+        mode, feature_type, shape = self.modes[key], self.features[key]["type"], tuple(self.features[key]["shape"])
+        for stat_name in STATS_PER_MODE[mode]:
+            tensor = self.stats.get(key, {}).get(stat_name)
+            if tensor is None:
+                raise config_error(
+                    f"policy.normalization_mapping.{feature_type}", mode.value,
+                    f"needs the {stat_name!r} statistic of {key!r}, which the dataset's stats lack",
+                    f"policy.normalization_mapping.{feature_type}=IDENTITY, or a dataset whose meta/stats.json "
+                    "includes it",
+                )
+            try:
+                broadcast = torch.broadcast_shapes(tensor.shape, shape)
+            except RuntimeError:
+                broadcast = None
+            if broadcast != shape:
+                raise config_error(
+                    f"stats[{key!r}][{stat_name!r}].shape", tuple(tensor.shape),
+                    f"does not broadcast to the feature shape {shape}; the stats belong to a different dataset",
+                    "the stats of this dataset (its meta/stats.json), or the dataset they belong to (dataset.root)",
+                )
 
     def _stat(self, key: str, stat_name: str, like: Tensor) -> Tensor:
         return self.stats[key][stat_name].to(device=like.device, dtype=like.dtype)
 
+    def _range(self, key: str, like: Tensor) -> Tensor:
+        """max - min, with a zero range replaced by eps (LeRobot's rule: a constant feature maps to -1)."""
+        denom = self._stat(key, "max", like) - self._stat(key, "min", like)
+        return torch.where(denom == 0, torch.tensor(self.eps, device=like.device, dtype=like.dtype), denom)
+
     @abc.abstractmethod
-    def _apply(self, key: str, mode: str, x: Tensor) -> Tensor:
-        """Transform one feature tensor in `mode` (never IDENTITY)."""
+    def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
+        """Transform one feature tensor in ``mode`` (never IDENTITY)."""
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         out = dict(batch)
         for key, mode in self.modes.items():
-            if mode == "IDENTITY" or key not in batch:
+            if mode is NormalizationMode.IDENTITY or key not in batch:
+                continue
+            if (self.normalize_observation_keys is not None and self.features[key]["type"] != FeatureType.ACTION
+                    and key not in self.normalize_observation_keys):
                 continue
             x = batch[key]
             # At least float32: bf16 statistics would shift a normalised action by up to ~0.4% of its scale.
@@ -108,19 +152,18 @@ class _NormalizationStep(ProcessorStep):
         return out
 
     def get_config(self) -> dict[str, Any]:
-        return {"features": self.features, "norm_map": self.norm_map, "eps": self.eps}
+        config: dict[str, Any] = {"eps": self.eps, "features": self.features, "norm_map": self.norm_map}
+        if self.normalize_observation_keys is not None:
+            config["normalize_observation_keys"] = self.normalize_observation_keys
+        return config
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {
-            f"{key}.{stat_name}": tensor
-            for key, per_key in self.stats.items()
-            for stat_name, tensor in per_key.items()
-        }
+        return {f"{key}.{stat_name}": tensor for key, per_key in self.stats.items()
+                for stat_name, tensor in per_key.items()}
 
     def to(self: NormStepT, device: torch.device | str) -> NormStepT:
-        for per_key in self.stats.values():
-            for stat_name in per_key:
-                per_key[stat_name] = per_key[stat_name].to(device)
+        self.stats = {key: {name: value.to(device) for name, value in per_key.items()}
+                      for key, per_key in self.stats.items()}
         return self
 
     @classmethod
@@ -130,29 +173,28 @@ class _NormalizationStep(ProcessorStep):
             # Feature keys contain dots themselves; the statistic name is the last component.
             key, stat_name = flat_key.rsplit(".", 1)
             stats.setdefault(key, {})[stat_name] = tensor
-        return cls(config["features"], config["norm_map"], stats, eps=float(config["eps"]))
+        return cls(config["features"], config["norm_map"], stats, eps=float(config.get("eps", DEFAULT_EPS)),
+                   normalize_observation_keys=config.get("normalize_observation_keys"))
 
 
 @register_step
 class NormalizerStep(_NormalizationStep):
-    name: ClassVar[str] = "normalizer"
+    registry_name: ClassVar[str] = "normalizer_processor"
 
-    def _apply(self, key: str, mode: str, x: Tensor) -> Tensor:
-        if mode == "MEAN_STD":
+    def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
+        if mode is NormalizationMode.MEAN_STD:
             return (x - self._stat(key, "mean", x)) / (self._stat(key, "std", x) + self.eps)
-        low, high = self._stat(key, "min", x), self._stat(key, "max", x)
-        return (x - low) / (high - low + self.eps) * 2 - 1
+        return 2 * (x - self._stat(key, "min", x)) / self._range(key, x) - 1
 
 
 @register_step
 class UnnormalizerStep(_NormalizationStep):
-    name: ClassVar[str] = "unnormalizer"
+    registry_name: ClassVar[str] = "unnormalizer_processor"
 
-    def _apply(self, key: str, mode: str, x: Tensor) -> Tensor:
-        if mode == "MEAN_STD":
-            return x * (self._stat(key, "std", x) + self.eps) + self._stat(key, "mean", x)
-        low, high = self._stat(key, "min", x), self._stat(key, "max", x)
-        return (x + 1) / 2 * (high - low + self.eps) + low
+    def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
+        if mode is NormalizationMode.MEAN_STD:
+            return x * self._stat(key, "std", x) + self._stat(key, "mean", x)
+        return (x + 1) / 2 * self._range(key, x) + self._stat(key, "min", x)
 
 
 def make_processors(
@@ -160,32 +202,42 @@ def make_processors(
     input_features: dict[str, FeatureSpec],
     output_features: dict[str, FeatureSpec],
     stats: dict[str, dict[str, StatValue]],
+    device: torch.device | str = "cpu",
 ) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
-    """(preprocessor, postprocessor) for a policy config carrying `normalization_mapping`.
-
-    Preprocessor: normalise inputs and `action`. Postprocessor: unnormalise `action`.
-    """
-    norm_map = {str(key): str(value) for key, value in dict(policy_cfg.normalization_mapping).items()}
-    preprocessor = PolicyProcessorPipeline(
-        "policy_preprocessor", [NormalizerStep({**input_features, **output_features}, norm_map, stats)]
-    )
-    postprocessor = PolicyProcessorPipeline(
-        "policy_postprocessor", [UnnormalizerStep(output_features, norm_map, stats)]
-    )
+    """(preprocessor, postprocessor) of LeRobot's ACT and Diffusion for a policy config carrying
+    ``normalization_mapping``, with ``stats`` (every key's, camera mean/std already ImageNet's when wanted)."""
+    norm_map = {str(key): str(getattr(value, "value", value))
+                for key, value in dict(policy_cfg.normalization_mapping).items()}
+    preprocessor = PolicyProcessorPipeline("policy_preprocessor", [
+        RenameObservationsStep(), ToBatchStep(), DeviceStep(device),
+        NormalizerStep({**input_features, **output_features}, norm_map, stats),
+    ])
+    postprocessor = PolicyProcessorPipeline("policy_postprocessor", [
+        UnnormalizerStep(output_features, norm_map, stats), DeviceStep("cpu"),
+    ])
     return preprocessor, postprocessor
 
 
 def load_processors(directory: Path) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
-    """(preprocessor, postprocessor) saved in a ``pretrained_model`` directory: the statistics a policy was trained
-    with, for training on from it (resume, fine-tuning) and for running it (evaluation)."""
-    return (PolicyProcessorPipeline.from_pretrained(directory, "policy_preprocessor"),
-            PolicyProcessorPipeline.from_pretrained(directory, "policy_postprocessor"))
+    """(preprocessor, postprocessor) saved in a ``pretrained_model`` directory by lerobot_mg or LeRobot 0.6.1: the
+    statistics a policy was trained with, for training on from it (resume, fine-tuning) and for running it."""
+    pipelines = (PolicyProcessorPipeline.from_pretrained(directory, "policy_preprocessor"),
+                 PolicyProcessorPipeline.from_pretrained(directory, "policy_postprocessor"))
+    for pipeline, step_class in zip(pipelines, (NormalizerStep, UnnormalizerStep), strict=True):
+        try:
+            pipeline.step(step_class)
+        except LookupError as error:
+            raise ConfigError(f"{Path(directory) / pipeline.name}.json: {error}. Fix: a pretrained_model directory "
+                              "of an ACT or Diffusion policy (LeRobot 0.6.1's or lerobot_mg's)") from None
+    return pipelines
 
 
-def processors_for(policy_cfg: Any, policy: Any, stats: dict[str, dict[str, StatValue]],
-                   saved_dir: Path | None) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
+def processors_for(policy_cfg: Any, policy: Any, stats: dict[str, dict[str, StatValue]], saved_dir: Path | None,
+                   imagenet_cameras: Collection[str] = ()) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
     """A run's (preprocessor, postprocessor): those saved in ``saved_dir`` (the checkpoint it resumes, or the base it
-    fine-tunes: the statistics those weights were trained with), else new ones on this dataset's ``stats``."""
+    fine-tunes: the statistics those weights were trained with), else new ones on this dataset's ``stats``, the
+    ``imagenet_cameras``' mean/std replaced by ImageNet's."""
     if saved_dir is None:
-        return make_processors(policy_cfg, policy.input_features, policy.output_features, stats)
+        return make_processors(policy_cfg, policy.input_features, policy.output_features,
+                               with_imagenet_stats(stats, imagenet_cameras))
     return load_processors(saved_dir)

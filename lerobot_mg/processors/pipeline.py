@@ -1,7 +1,10 @@
-"""Processor pipelines: an ordered list of steps applied to a batch dict, saved as json + safetensors.
+"""Processor pipelines: an ordered list of steps applied to a batch dict, saved in LeRobot 0.6.1's files.
 
-On disk, a pipeline named `policy_preprocessor` is `policy_preprocessor.json` (the steps, their classes
-and configs) plus `policy_preprocessor_step_{i}_{step.name}.safetensors` for every step with state.
+On disk, a pipeline named ``policy_preprocessor`` is ``policy_preprocessor.json``, ``json.dumps(..., indent=2)`` of
+``{"name": ..., "steps": [{"registry_name": ..., "config": {...}, "state_file": ...}, ...]}`` (``state_file`` only
+for a step with tensors), plus ``policy_preprocessor_step_<index>_<registry_name>.safetensors`` for each such step:
+the files LeRobot's ``DataProcessorPipeline.save_pretrained`` writes, so LeRobot loads ours and we load LeRobot's.
+A step is found by its ``registry_name``, LeRobot's name for it (``normalizer_processor``, ``device_processor``, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch import Tensor
 from lerobot_mg.errors import ConfigError
 
 PIPELINE_NAMES = ("policy_preprocessor", "policy_postprocessor")
+# Step classes of the processor files lerobot_mg wrote before it wrote LeRobot's.
+_OLD_STEP_CLASSES = ("NormalizerStep", "UnnormalizerStep")
 
 StepT = TypeVar("StepT", bound="ProcessorStep")
 
@@ -25,7 +30,7 @@ StepT = TypeVar("StepT", bound="ProcessorStep")
 class ProcessorStep(abc.ABC):
     """One transformation of a batch. Steps with tensors expose them through state_dict()."""
 
-    name: ClassVar[str]
+    registry_name: ClassVar[str]  # LeRobot's name of the step, the key of its entry in the pipeline json
 
     @abc.abstractmethod
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +38,7 @@ class ProcessorStep(abc.ABC):
 
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
-        """JSON-serialisable arguments that, with state_dict(), rebuild the step."""
+        """JSON-serialisable arguments that, with state_dict(), rebuild the step (LeRobot's ``config``)."""
 
     def state_dict(self) -> dict[str, Tensor]:
         return {}
@@ -51,8 +56,8 @@ STEP_CLASSES: dict[str, type[ProcessorStep]] = {}
 
 
 def register_step(step_class: type[StepT]) -> type[StepT]:
-    """Class decorator: make a step loadable by its class name from a pipeline json."""
-    STEP_CLASSES[step_class.__name__] = step_class
+    """Class decorator: make a step loadable by its ``registry_name`` from a pipeline json."""
+    STEP_CLASSES[step_class.registry_name] = step_class
     return step_class
 
 
@@ -73,33 +78,34 @@ class PolicyProcessorPipeline:
             step.to(device)
         return self
 
-    def _state_file_name(self, index: int, step: ProcessorStep) -> str:
-        return f"{self.name}_step_{index}_{step.name}.safetensors"
+    def step(self, step_class: type[StepT]) -> StepT:
+        """The pipeline's one step of ``step_class``."""
+        found = [step for step in self.steps if isinstance(step, step_class)]
+        if len(found) != 1:
+            raise LookupError(f"{self.name} has {len(found)} {step_class.registry_name} steps, not one")
+        return found[0]
+
+    def state_file_name(self, index: int, step: ProcessorStep) -> str:
+        return f"{self.name}_step_{index}_{step.registry_name}.safetensors"
 
     def save_pretrained(self, directory: Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         step_entries = []
         for index, step in enumerate(self.steps):
+            entry: dict[str, Any] = {"registry_name": step.registry_name, "config": step.get_config()}
             state = step.state_dict()
-            state_file = None
             if state:
-                state_file = self._state_file_name(index, step)
+                entry["state_file"] = self.state_file_name(index, step)
                 tensors = {key: tensor.detach().cpu().contiguous() for key, tensor in state.items()}
-                save_file(tensors, str(directory / state_file))
-            step_entries.append(
-                {
-                    "name": step.name,
-                    "class": type(step).__name__,
-                    "config": step.get_config(),
-                    "state_file": state_file,
-                }
-            )
+                save_file(tensors, str(directory / entry["state_file"]))
+            step_entries.append(entry)
         manifest = {"name": self.name, "steps": step_entries}
-        (directory / f"{self.name}.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (directory / f"{self.name}.json").write_text(json.dumps(manifest, indent=2))
 
     @classmethod
     def from_pretrained(cls, directory: Path, name: str) -> PolicyProcessorPipeline:
+        """The pipeline saved in ``directory`` by lerobot_mg or by LeRobot 0.6.1."""
         directory = Path(directory)
         manifest_path = directory / f"{name}.json"
         if not manifest_path.is_file():
@@ -108,12 +114,21 @@ class PolicyProcessorPipeline:
         manifest = json.loads(manifest_path.read_text())
         steps: list[ProcessorStep] = []
         for entry in manifest["steps"]:
-            step_class = STEP_CLASSES.get(entry["class"])
+            if entry.get("class") in _OLD_STEP_CLASSES:
+                raise ConfigError(
+                    f"{manifest_path}: was written by a lerobot_mg older than its LeRobot 0.6.1 checkpoint format "
+                    "(steps named by 'class'), and so were the policy weights beside it, under names the policies "
+                    "no longer have. Fix: train the checkpoint again with this lerobot_mg (or start from a LeRobot "
+                    "0.6.1 pretrained_model with policy.path)"
+                )
+            step_name = entry.get("registry_name", entry.get("class"))
+            step_class = STEP_CLASSES.get(step_name)
             if step_class is None:
                 raise ConfigError(
-                    f"{manifest_path}: uses step class {entry['class']!r}; known classes: {sorted(STEP_CLASSES)}. "
-                    "Fix: a pretrained_model directory saved by this lerobot_mg"
+                    f"{manifest_path}: uses the processor step {step_name!r}, which lerobot_mg does not have (it "
+                    f"has {sorted(STEP_CLASSES)}). Fix: a pretrained_model directory of an ACT or Diffusion policy "
+                    "(LeRobot 0.6.1's or lerobot_mg's)"
                 )
-            state = load_file(str(directory / entry["state_file"])) if entry["state_file"] else {}
-            steps.append(step_class.from_config(entry["config"], state))
+            state = load_file(str(directory / entry["state_file"])) if entry.get("state_file") else {}
+            steps.append(step_class.from_config(entry.get("config", {}), state))
         return cls(manifest["name"], steps)

@@ -91,8 +91,8 @@ def file_tree(directory: Path) -> set[str]:
 
 
 PROCESSOR_FILES = {
-    "policy_preprocessor.json", "policy_preprocessor_step_0_normalizer.safetensors",
-    "policy_postprocessor.json", "policy_postprocessor_step_0_unnormalizer.safetensors",
+    "policy_preprocessor.json", "policy_preprocessor_step_3_normalizer_processor.safetensors",
+    "policy_postprocessor.json", "policy_postprocessor_step_0_unnormalizer_processor.safetensors",
 }
 PRETRAINED_COMMON = {"config.json", "train_config.json", *PROCESSOR_FILES}
 TRAINING_STATE_COMMON = {"rng_state.safetensors", "scheduler_state.json", "training_step.json"}

@@ -181,3 +181,103 @@ def test_adapter_file_has_peft_keys_and_loads_merged_or_not(base_dir: Path, tmp_
     torch.testing.assert_close(merged.predict_action_chunk(batch), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(unmerged.predict_action_chunk(batch), want, rtol=0, atol=0)
     assert (load_policy(base_dir).predict_action_chunk(batch) - want).abs().max() > 1e-3  # the adapter matters
+
+
+LEROBOT = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1"
+LEROBOT_LORA = LEROBOT / "act_state_lora" / "pretrained_model"
+# The modules of LeRobot's act_state_lora adapter that ACT has under the same names here.
+SHARED_TARGETS = [*(f"model.encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)),
+                  "model.decoder.layers.0.linear1", "model.decoder.layers.0.linear2", "model.action_head"]
+
+
+def _act_state_sized_adapter(tmp_path: Path) -> tuple[torch.nn.Module, Path, Path]:
+    """An ACT of act_state's sizes saved as a base, wrapped as act_state_lora is (r 4, alpha 8), its adapter moved
+    off PEFT's init, and written as a checkpoint: (model in eval mode, base dir, adapter dir)."""
+    import dataclasses
+
+    from lerobot_mg.policies.act import ACTConfig
+
+    saved = json.loads((LEROBOT / "act_state" / "pretrained_model" / "config.json").read_text())
+    fields = {field.name for field in dataclasses.fields(ACTConfig)} - {"type", "normalization_mapping"}
+    config = ACTConfig(**{name: value for name, value in saved.items() if name in fields})
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base" / "pretrained_model"
+    ACTPolicy(config, saved["input_features"], saved["output_features"]).save_pretrained(base_dir)
+    model = wrap_with_lora(load_base_policy(config, str(base_dir)),
+                           PeftConfig(method_type="LORA", r=4, lora_alpha=8, target_modules=SHARED_TARGETS),
+                           str(base_dir))
+    torch.manual_seed(1)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data.add_(0.05 * torch.randn_like(param))
+    adapter_dir = tmp_path / "lora" / "pretrained_model"
+    adapter = AdapterWeights.of(model)
+    adapter.write(adapter_dir, adapter.to_adapter(model.state_dict()))
+    return model.eval(), base_dir, adapter_dir
+
+
+def test_an_adapter_checkpoint_is_laid_out_as_lerobots_and_loads_with_peft(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    model, base_dir, adapter_dir = _act_state_sized_adapter(tmp_path)
+    assert {path.name for path in adapter_dir.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                             "config.json"}
+    ours = json.loads((adapter_dir / "adapter_config.json").read_text())
+    lerobots = json.loads((LEROBOT_LORA / "adapter_config.json").read_text())
+    assert ours.keys() == lerobots.keys()  # PEFT's own file, every field
+    differ = {"base_model_name_or_path", "target_modules", "auto_mapping"}
+    assert {key: ours[key] for key in lerobots if key not in differ} == {
+        key: value for key, value in lerobots.items() if key not in differ}
+    assert ours["base_model_name_or_path"] == str(base_dir.resolve()) and ours["inference_mode"] is True
+    assert ours["auto_mapping"] == {"base_model_class": "ACTPolicy", "parent_library": ACTPolicy.__module__}
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), "pt") as mine, \
+            safe_open(str(LEROBOT_LORA / "adapter_model.safetensors"), "pt") as theirs:
+        assert mine.metadata() == theirs.metadata() == {"format": "pt"}
+        shapes = {key: mine.get_slice(key).get_shape() for key in mine.keys()}  # noqa: SIM118 (not a dict)
+        wanted = {key: theirs.get_slice(key).get_shape() for key in theirs.keys()  # noqa: SIM118
+                  if key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] in SHARED_TARGETS}
+    assert len(wanted) == 2 * len(SHARED_TARGETS) and shapes == wanted
+
+    batch = {"observation.state": torch.randn(3, 14), "observation.environment_state": torch.randn(3, 14)}
+    want = model.predict_action_chunk(batch)
+    by_peft = PeftModel.from_pretrained(load_policy(base_dir), str(adapter_dir)).eval()  # PEFT's own loader
+    assert torch.equal(by_peft.predict_action_chunk(batch), want)
+    assert torch.equal(load_policy(adapter_dir, merge_adapter=False).predict_action_chunk(batch), want)
+
+
+def test_a_merged_adapter_checkpoint_is_a_plain_pretrained_model(tmp_path: Path) -> None:
+    from lerobot_mg.peft.lora import save_merged
+
+    model, _, adapter_dir = _act_state_sized_adapter(tmp_path)
+    (adapter_dir / "policy_preprocessor.json").write_text("{}")  # travels unchanged
+    merged_dir = tmp_path / "merged" / "pretrained_model"
+    save_merged(adapter_dir, merged_dir)
+    assert {path.name for path in merged_dir.iterdir()} == {"config.json", "model.safetensors",
+                                                            "policy_preprocessor.json"}
+    batch = {"observation.state": torch.randn(3, 14), "observation.environment_state": torch.randn(3, 14)}
+    merged = load_policy(merged_dir)
+    assert type(merged) is ACTPolicy
+    torch.testing.assert_close(merged.predict_action_chunk(batch), load_policy(adapter_dir).predict_action_chunk(batch),
+                               rtol=0, atol=1e-6)  # the same merged weights, up to the kernels' rounding
+    torch.testing.assert_close(merged.predict_action_chunk(batch), model.predict_action_chunk(batch),
+                               rtol=0, atol=1e-5)
+
+
+def test_lerobots_relative_base_path_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LeRobot writes --policy.path as typed (relative to where training ran): PEFT looks in the current directory,
+    and lerobot_mg then in each folder above the adapter, where act_state_lora finds act_state."""
+    from lerobot_mg.errors import ConfigError
+    from lerobot_mg.peft.base import adapter_base_path
+
+    assert json.loads((LEROBOT_LORA / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "act_state/pretrained_model")
+    monkeypatch.chdir(tmp_path)
+    assert adapter_base_path(LEROBOT_LORA) == str((LEROBOT / "act_state" / "pretrained_model").resolve())
+    elsewhere = shutil.copytree(LEROBOT_LORA, tmp_path / "lora" / "pretrained_model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=r"act_state/pretrained_model.*could not be had"):
+        adapter_base_path(elsewhere)  # not on disk, and not in the Hub cache either
+    (tmp_path / "act_state").symlink_to(LEROBOT / "act_state")  # from the current directory, as PEFT does
+    assert Path(adapter_base_path(elsewhere)) == (LEROBOT / "act_state" / "pretrained_model").resolve()

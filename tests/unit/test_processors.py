@@ -1,4 +1,6 @@
-"""Normalisation pre/post-processors: numbers, round trips, file names on disk, errors."""
+"""Pre/post-processors: normalisation numbers, the other steps, round trips, file names on disk, errors.
+
+That the files and numbers are LeRobot 0.6.1's (its fixtures) is tests/unit/test_lerobot_processors.py."""
 
 from __future__ import annotations
 
@@ -11,10 +13,17 @@ import torch
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import ACTConfig, features_from_dataset
 from lerobot_mg.processors import (
+    IMAGENET_STATS,
+    DeviceStep,
     NormalizerStep,
     PolicyProcessorPipeline,
+    RenameObservationsStep,
+    ToBatchStep,
     UnnormalizerStep,
+    camera_keys,
+    load_processors,
     make_processors,
+    with_imagenet_stats,
 )
 from tests.launch_utils import PUSHT_SLICE
 
@@ -82,6 +91,21 @@ def test_min_max_maps_range_to_minus_one_one() -> None:
     )
 
 
+def test_a_type_missing_from_the_mapping_is_identity_and_a_zero_range_maps_to_minus_one() -> None:
+    """LeRobot's rules: ACT's default mapping has no ENV entry (the environment state passes unchanged), and a
+    MIN_MAX feature whose min equals its max divides by eps instead of zero."""
+    mapping = {"VISUAL": "MEAN_STD", "STATE": "MIN_MAX", "ACTION": "MEAN_STD"}
+    stats = {**STATS, "observation.state": {"min": [-3.0, 2.0], "max": [5.0, 2.0]}}
+    pre, _ = make_processors(ACTConfig(normalization_mapping=mapping), INPUTS, OUTPUTS, stats)
+    batch = make_batch()
+    batch["observation.state"][:, 1] = 2.0
+    out = pre(batch)
+    assert out["observation.environment_state"] is batch["observation.environment_state"]
+    assert torch.equal(out["observation.state"][:, 1], torch.full((4,), -1.0))
+    restored = UnnormalizerStep(INPUTS, mapping, stats)(out)
+    assert torch.equal(restored["observation.state"][:, 1], torch.full((4,), 2.0))
+
+
 @pytest.mark.parametrize("mode", ["MEAN_STD", "MIN_MAX"])
 def test_normalise_then_unnormalise_is_identity(mode: str) -> None:
     pre, post = make_processors(config_with(STATE=mode, ENV=mode, ACTION=mode), INPUTS, OUTPUTS, STATS)
@@ -128,7 +152,8 @@ def test_low_precision_inputs_are_computed_in_float32_and_device_move() -> None:
     torch.testing.assert_close(action, torch.tensor([[15.0, 16.0]]))
     assert pre.to("cpu") is pre
     assert pre.to("meta") is pre
-    assert pre.steps[0].state_dict()["observation.state.mean"].device.type == "meta"
+    assert pre.step(NormalizerStep).state_dict()["observation.state.mean"].device.type == "meta"
+    assert pre.step(DeviceStep).get_config() == {"device": "meta", "float_dtype": None}
 
 
 def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
@@ -137,19 +162,20 @@ def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
     post.save_pretrained(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "policy_postprocessor.json",
-        "policy_postprocessor_step_0_unnormalizer.safetensors",
+        "policy_postprocessor_step_0_unnormalizer_processor.safetensors",
         "policy_preprocessor.json",
-        "policy_preprocessor_step_0_normalizer.safetensors",
+        "policy_preprocessor_step_3_normalizer_processor.safetensors",
     ]
     manifest = json.loads((tmp_path / "policy_preprocessor.json").read_text())
     assert manifest["name"] == "policy_preprocessor"
-    assert [(step["name"], step["class"]) for step in manifest["steps"]] == [("normalizer", "NormalizerStep")]
-    assert manifest["steps"][0]["config"]["norm_map"]["STATE"] == "MIN_MAX"
+    assert [step["registry_name"] for step in manifest["steps"]] == [
+        "rename_observations_processor", "to_batch_processor", "device_processor", "normalizer_processor"]
+    assert ["state_file" in step for step in manifest["steps"]] == [False, False, False, True]
+    assert manifest["steps"][3]["config"]["norm_map"]["STATE"] == "MIN_MAX"
 
-    loaded_pre = PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
-    loaded_post = PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_postprocessor")
-    assert isinstance(loaded_pre.steps[0], NormalizerStep)
-    assert isinstance(loaded_post.steps[0], UnnormalizerStep)
+    loaded_pre, loaded_post = load_processors(tmp_path)
+    assert [type(step) for step in loaded_pre.steps] == [RenameObservationsStep, ToBatchStep, DeviceStep, NormalizerStep]
+    assert [type(step) for step in loaded_post.steps] == [UnnormalizerStep, DeviceStep]
     batch = make_batch()
     expected, actual = pre(batch), loaded_pre(batch)
     for key in [*INPUTS, "action"]:
@@ -159,21 +185,74 @@ def test_save_and_load_file_names_and_results(tmp_path: Path) -> None:
     )
 
 
+def test_every_statistic_of_every_key_is_kept() -> None:
+    """LeRobot's state files hold the whole stats.json (float32), a camera's 1-D statistics as (C, 1, 1), whatever
+    the step normalises."""
+    stats = {**STATS, "timestamp": {"min": [0.0], "max": [3.9], "count": [720]},
+             "observation.images.top": {"mean": [0.5, 0.4, 0.3], "std": [0.2, 0.1, 0.25], "count": [720]}}
+    pre, post = make_processors(config_with(), INPUTS, OUTPUTS, stats)
+    state = pre.step(NormalizerStep).state_dict()
+    assert {key for key in state} == {f"{key}.{name}" for key, per_key in stats.items() for name in per_key}
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
+    assert state["observation.images.top.mean"].shape == (3, 1, 1)
+    assert state["observation.images.top.count"].shape == (1, 1, 1) and state["timestamp.count"].tolist() == [720.0]
+    # The postprocessor has no camera feature: LeRobot leaves that camera's count 1-D there.
+    assert post.step(UnnormalizerStep).state_dict()["observation.images.top.count"].shape == (1,)
+
+
+def test_the_batch_device_and_rename_steps() -> None:
+    sample = {"observation.state": torch.zeros(2), "observation.images.top": torch.zeros(3, 4, 4),
+              "action": torch.zeros(2), "index": torch.tensor(5), "task": "push", "action_is_pad": torch.zeros(1)}
+    batched = ToBatchStep()(sample)
+    assert {key: tuple(value.shape) for key, value in batched.items() if key != "task"} == {
+        "observation.state": (1, 2), "observation.images.top": (1, 3, 4, 4), "action": (1, 2), "index": (1,),
+        "action_is_pad": (1,)}
+    assert batched["task"] == ["push"] and ToBatchStep()(batched)["observation.state"].shape == (1, 2)
+    cast = DeviceStep("cpu", "bfloat16")({"observation.state": torch.zeros(2), "action_is_pad": torch.zeros(2).bool(),
+                                          "sample_seed": torch.zeros(2)})
+    assert [cast[key].dtype for key in cast] == [torch.bfloat16, torch.bool, torch.float32]
+    on_meta = DeviceStep("meta")({"observation.state": torch.zeros(2), "sample_seed": torch.zeros(2)})
+    assert (on_meta["observation.state"].device.type, on_meta["sample_seed"].device.type) == ("meta", "cpu")
+    assert DeviceStep("cpu").get_config() == {"device": "cpu", "float_dtype": None}
+    with pytest.raises(ConfigError, match=r"device_processor.float_dtype='int8': .* Fix: one of"):
+        DeviceStep("cpu", "int8")
+    renamed = RenameObservationsStep({"observation.images.cam": "observation.images.top"})(
+        {"observation.images.cam": 1, "action": 2})
+    assert renamed == {"observation.images.top": 1, "action": 2}
+
+
+def test_imagenet_statistics_replace_the_cameras_mean_and_std() -> None:
+    info = json.loads((PUSHT_META / "info.json").read_text())
+    stats = json.loads((PUSHT_META / "stats.json").read_text())
+    assert camera_keys(info["features"]) == ["observation.image"]
+    replaced = with_imagenet_stats(stats, camera_keys(info["features"]))
+    for name, value in IMAGENET_STATS.items():
+        assert torch.equal(replaced["observation.image"][name], torch.tensor(value))
+    assert replaced["observation.image"]["min"] == stats["observation.image"]["min"]
+    assert replaced["observation.state"] == stats["observation.state"]
+    assert stats["observation.image"]["mean"] != IMAGENET_STATS["mean"]  # the caller's dict is not changed
+
+
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"holds no policy_preprocessor\.json\. Fix: pass a pretrained_model directory"):
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
-    (tmp_path / "policy_preprocessor.json").write_text(
-        json.dumps(
-            {
-                "name": "policy_preprocessor",
-                "steps": [{"name": "x", "class": "Tokenizer", "config": {}, "state_file": None}],
-            }
-        )
-    )
-    with pytest.raises(
-        ValueError, match=r"step class 'Tokenizer'; known classes: \['NormalizerStep', 'UnnormalizerStep'\]"
-    ):
+    manifest = tmp_path / "policy_preprocessor.json"
+    manifest.write_text(json.dumps({"name": "policy_preprocessor",
+                                    "steps": [{"registry_name": "tokenizer_processor", "config": {}}]}))
+    with pytest.raises(ConfigError, match=r"uses the processor step 'tokenizer_processor', which lerobot_mg does not "
+                       r"have \(it has \['device_processor', 'normalizer_processor', .*\]\)\. Fix: "):
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+    # The files of lerobot_mg before it wrote LeRobot's: refused, saying what to do.
+    manifest.write_text(json.dumps({"name": "policy_preprocessor", "steps": [
+        {"name": "normalizer", "class": "NormalizerStep", "config": {}, "state_file": None}]}))
+    with pytest.raises(ConfigError, match=r"written by a lerobot_mg older than its LeRobot 0.6.1 checkpoint format.*"
+                       r"Fix: train the checkpoint again with this lerobot_mg"):
+        PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+    PolicyProcessorPipeline("policy_preprocessor", [ToBatchStep()]).save_pretrained(tmp_path)
+    PolicyProcessorPipeline("policy_postprocessor", [ToBatchStep()]).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"policy_preprocessor.json: policy_preprocessor has 0 normalizer_processor "
+                       r"steps, not one\. Fix: "):
+        load_processors(tmp_path)
 
 
 def test_missing_or_mismatched_stats_are_user_errors() -> None:

@@ -17,9 +17,9 @@ EXPECTED_PRETRAINED = {
     "train_config.json",
     "model.safetensors",
     "policy_preprocessor.json",
-    "policy_preprocessor_step_0_normalizer.safetensors",
+    "policy_preprocessor_step_3_normalizer_processor.safetensors",
     "policy_postprocessor.json",
-    "policy_postprocessor_step_0_unnormalizer.safetensors",
+    "policy_postprocessor_step_0_unnormalizer_processor.safetensors",
 }
 EXPECTED_TRAINING_STATE = {
     "optimizer_param_groups.json",
