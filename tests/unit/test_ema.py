@@ -137,3 +137,26 @@ def test_evaluation_takes_the_ema_weights_when_the_checkpoint_has_them(tmp_path:
     (pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR).mkdir()
     assert L.weights_dir(pretrained, use_ema=True) == pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR
     assert L.weights_dir(pretrained, use_ema=False) == pretrained
+
+
+def test_lerobot_mg_eval_rolls_out_the_ema_weights_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The command picks pretrained_model_ema/ beside policy_path (use_ema=true, the default) and says so."""
+    pytest.importorskip("mujoco", reason="lerobot-mg-eval needs the sim extra")
+    from lerobot_mg.sim import cli as sim_cli
+
+    rolled_out: list[Path] = []
+
+    def fake_evaluate(weights: Path, *args: object, **kwargs: object) -> dict:
+        rolled_out.append(Path(weights))
+        return {"num_successes": 0, "n_episodes": 1, "success_rate": 0.0, "mean_return": 0.0,
+                "seconds_per_episode": 0.0, "videos": []}
+
+    monkeypatch.setattr(sim_cli, "evaluate_policy", fake_evaluate)
+    pretrained = tmp_path / "000006" / L.PRETRAINED_MODEL_DIR
+    (pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR).mkdir(parents=True)
+    pretrained.mkdir()
+    assert sim_cli.eval_main([f"policy_path={pretrained}", "n_episodes=1"]) == 0
+    assert sim_cli.eval_main([f"policy_path={pretrained}", "n_episodes=1", "use_ema=false"]) == 0
+    assert rolled_out == [pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR, pretrained]
+    assert f"evaluating {pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR}" in capsys.readouterr().out
