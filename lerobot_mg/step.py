@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from lerobot_mg.config.schema import EMAConfig
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.ema import ModelEMA
@@ -53,6 +54,13 @@ def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collectio
     for key in uint8_keys:
         out[key] = out[key].float().div_(255.0)
     return out
+
+
+def make_ema(model: nn.Module, cfg: EMAConfig) -> ModelEMA | None:
+    """The moving average of ``model``'s trainable weights that :class:`Stepper` updates after every optimizer update
+    (None unless ``ema.enable``). ``model`` is the unwrapped policy, already sharded: each rank averages its own
+    shards."""
+    return ModelEMA.of(cfg, model)
 
 
 class Stepper:

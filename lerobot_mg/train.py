@@ -23,7 +23,6 @@ from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
 from lerobot_mg.drills import fault_drill
-from lerobot_mg.ema import ModelEMA
 from lerobot_mg.launch.hub import publish_policy
 from lerobot_mg.launch.placement import record_placement
 from lerobot_mg.launch.preemption import PreemptionWatch, resume_command
@@ -37,7 +36,7 @@ from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
-from lerobot_mg.step import Stepper
+from lerobot_mg.step import Stepper, make_ema
 from lerobot_mg.tracking import RunTracker, log_resume, print_banner
 
 
@@ -88,7 +87,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     optimizer = make_optimizer(policy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
-    ema = ModelEMA.of(cfg.ema, policy)  # ema.enable: after sharding, so each rank averages its own shards
+    ema = make_ema(policy, cfg.ema)  # ema.enable: after sharding, so each rank averages its own shards
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy), async_save=cfg.checkpoint.async_save,
                                     group_timeout=group_timeout, ema=ema)  # collective when async_save
