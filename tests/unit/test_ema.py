@@ -1,5 +1,5 @@
 """The EMA of the weights (lerobot_mg/ema.py): Diffusion Policy's schedule and arithmetic, what the memory plan
-counts for it, and lerobot-mg-convert-dcp on its shards. The sharded runs are in tests/dist/test_ema.py."""
+counts for it, and lerobot-mg-convert-dcp on its shards. The sharded runs are in tests/dist/test_ema_runs.py."""
 
 from __future__ import annotations
 
