@@ -17,8 +17,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from lerobot_mg.config.schema import EMAConfig
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.ema import ModelEMA
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 
 # torch's warning when LRScheduler.step() runs before the optimizer's first step (torch/optim/lr_scheduler.py).
@@ -54,16 +56,24 @@ def to_device(batch: dict[str, Any], device: torch.device, uint8_keys: Collectio
     return out
 
 
+def make_ema(model: nn.Module, cfg: EMAConfig) -> ModelEMA | None:
+    """The moving average of ``model``'s trainable weights that :class:`Stepper` updates after every optimizer update
+    (None unless ``ema.enable``). ``model`` is the unwrapped policy, already sharded: each rank averages its own
+    shards."""
+    return ModelEMA.of(cfg, model)
+
+
 class Stepper:
     """Runs loop steps. Every method is collective: every rank calls it once per loop step.
 
     ``after_backward``, if given, is called once per loop step between backward and the optimizer update (the
-    fault drills of :mod:`lerobot_mg.drills` act there)."""
+    fault drills of :mod:`lerobot_mg.drills` act there). ``ema``, if given, averages the weights after every optimizer
+    update (an fp16 update the loss scaler skipped too: the average then moves towards unchanged weights)."""
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, grad_clip_norm: float,
                  dims: ParallelDims, uint8_keys: Collection[str] = (),
-                 after_backward: Callable[[], None] | None = None):
+                 after_backward: Callable[[], None] | None = None, ema: ModelEMA | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.preprocessor = preprocessor
         self.grad_clip_norm = grad_clip_norm  # optimizer.grad_clip_norm; 0 disables clipping
@@ -72,6 +82,7 @@ class Stepper:
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
         self.after_backward = after_backward
+        self.ema = ema
 
     @property
     def lr(self) -> float:
@@ -93,6 +104,8 @@ class Stepper:
                 scale_before = acc.scaler._get_scale_async().clone() if acc.scaler is not None else None
             self.optimizer.step()  # accelerate skips it inside an accumulation window
             self.optimizer.zero_grad(set_to_none=True)
+            if logs.synced and self.ema is not None:
+                self.ema.update()  # local to each rank's shards, no host sync
             if logs.synced and scale_before is not None:
                 logs.skipped = acc.scaler._get_scale_async() < scale_before  # it backs off exactly on a skip
         logs.lr = self.lr

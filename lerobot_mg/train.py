@@ -36,7 +36,7 @@ from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
-from lerobot_mg.step import Stepper
+from lerobot_mg.step import Stepper, make_ema
 from lerobot_mg.tracking import RunTracker, log_resume, print_banner
 
 
@@ -87,10 +87,10 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     optimizer = make_optimizer(policy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
     model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
+    ema = make_ema(policy, cfg.ema)  # ema.enable: after sharding, so each rank averages its own shards
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
-                                    adapter=AdapterWeights.of(policy),
-                                    async_save=cfg.checkpoint.async_save,  # collective when async_save
-                                    group_timeout=group_timeout)
+                                    adapter=AdapterWeights.of(policy), async_save=cfg.checkpoint.async_save,
+                                    group_timeout=group_timeout, ema=ema)  # collective when async_save
     facts = RunFacts.collect(  # once per start
         cfg, dims, dataset_fingerprint=dataset.fingerprint(), model=describe_finetune(cfg, policy),
         lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps),
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     if dims.is_main_process:
         print_banner(cfg, facts, dataset, output_dir, progress)
     stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
-                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank))
+                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank), ema=ema)
     batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
 
@@ -143,7 +143,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
     preemption.finish()
     checkpoints.close()  # the last save is on disk and `last` names it before the run reports
-    rank_bytes = gather_rank_bytes(policy, optimizer)  # collective: what each rank held for training
+    rank_bytes = gather_rank_bytes(policy, optimizer, ema)  # collective: what each rank held for training
     tracker.close()
     if dims.is_main_process:
         write_json(output_dir / "rank_bytes.json", rank_bytes)

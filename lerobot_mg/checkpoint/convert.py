@@ -10,7 +10,9 @@ python scripts/convert_dcp.py checkpoint_dir=outputs/train/run/checkpoints/00500
 ``checkpoint_dir`` is a step directory (``checkpoints/005000`` or ``checkpoints/last``) or its
 ``pretrained_model/`` directory. The shards in ``pretrained_model/pytorch_model_fsdp_0/`` are keyed by the
 policy's parameter FQNs, so the merged file is exactly what ``save_pretrained`` writes for a gathered
-checkpoint of the same step (``adapter_model.safetensors`` when the directory holds a PEFT adapter).
+checkpoint of the same step (``adapter_model.safetensors`` when the directory holds a PEFT adapter). A checkpoint
+of a run with ``ema.enable=true`` has its EMA weights' shards in ``pretrained_model_ema/pytorch_model_fsdp_0/``:
+they are merged the same way, into ``pretrained_model_ema/model.safetensors``.
 ``delete_dcp=true`` removes the shards only after the merged file has been re-read and compared tensor by
 tensor. ``push_to_hub=<user>/<repo>`` uploads the safetensors, json and md files of ``pretrained_model/`` (the model
 card a training run wrote included); on a checkpoint without shards it only uploads, which is how the checkpoint of
@@ -149,13 +151,29 @@ def _verify_written(path: Path, expected: dict[str, Tensor]) -> None:
 
 
 def convert_checkpoint(checkpoint_dir: Path, delete_dcp: bool = False, show_progress: bool | None = None) -> Path:
-    """Merge ``pretrained_model/pytorch_model_fsdp_0/`` into ``pretrained_model/model.safetensors``.
+    """Merge ``pretrained_model/pytorch_model_fsdp_0/`` into ``pretrained_model/model.safetensors``, and the EMA
+    weights' shards beside it (``pretrained_model_ema/``) into theirs.
 
     The file is written beside its final name, re-read and compared with the shards, then renamed into
     place (replacing a gathered file of a ``safetensors_dcp`` checkpoint, which holds the same tensors).
-    ``delete_dcp`` removes the shard directory only after that. Returns the merged file.
+    ``delete_dcp`` removes the shard directory only after that. Returns the merged file of ``pretrained_model/``.
     """
     pretrained = resolve_pretrained_dir(checkpoint_dir)
+    target = _merge(pretrained, delete_dcp, show_progress)
+    ema = pretrained.parent / L.PRETRAINED_MODEL_EMA_DIR
+    if pretrained.name == L.PRETRAINED_MODEL_DIR and (ema / L.MODEL_DCP_DIR).is_dir():
+        _merge(ema, delete_dcp, show_progress)
+    return target
+
+
+def ema_file(merged: Path) -> Path | None:
+    """The EMA weights' file beside a checkpoint's merged ``pretrained_model/`` file, if the checkpoint has one."""
+    ema = merged.parent.parent / L.PRETRAINED_MODEL_EMA_DIR / merged.name
+    return ema if merged.parent.name == L.PRETRAINED_MODEL_DIR and ema.is_file() else None
+
+
+def _merge(pretrained: Path, delete_dcp: bool, show_progress: bool | None) -> Path:
+    """Merge one weights directory's shards (see :func:`convert_checkpoint`)."""
     dcp_dir = pretrained / L.MODEL_DCP_DIR
     if not dcp_dir.is_dir():
         raise ConfigError(
@@ -213,6 +231,8 @@ def run(args: ConvertArgs) -> None:
     else:
         target = convert_checkpoint(args.checkpoint_dir, delete_dcp=args.delete_dcp)
         print(f"wrote {target}", flush=True)
+        if (ema := ema_file(target)) is not None:
+            print(f"wrote {ema}", flush=True)
     if args.push_to_hub is not None:
         url = push_pretrained(target.parent, args.push_to_hub, publish_message(target.parent), key="push_to_hub")
         print(f"pushed {target.parent} to {url}", flush=True)

@@ -5,9 +5,10 @@ checkpoints/005000/pretrained_model/{config.json, train_config.json, model.safet
                                      policy_preprocessor*.json/.safetensors, policy_postprocessor*}
     (a PEFT run: adapter_model.safetensors + adapter_config.json replace model.safetensors; the DCP shards
      hold the adapter only)
+checkpoints/005000/pretrained_model_ema/{the same files, with the averaged weights}      (ema.enable=true)
 checkpoints/005000/training_state/{optimizer_param_groups.json, optimizer_state.safetensors | optimizer_0/,
                                    rng_state.safetensors, scheduler_state.json, scaler_state.json,
-                                   training_step.json}
+                                   ema_state.json, training_step.json}
 checkpoints/last -> 005000
 ```
 A step directory only ever appears complete: it is written as ``.tmp-005000`` and renamed once
@@ -23,6 +24,7 @@ from lerobot_mg.errors import ConfigError
 CHECKPOINTS_DIR = "checkpoints"
 LAST_LINK = "last"
 PRETRAINED_MODEL_DIR = "pretrained_model"
+PRETRAINED_MODEL_EMA_DIR = "pretrained_model_ema"  # LeRobot's name for the EMA weights (ema.enable=true)
 TRAINING_STATE_DIR = "training_state"
 TMP_PREFIX = ".tmp-"
 
@@ -38,11 +40,20 @@ OPTIMIZER_DCP_DIR = "optimizer_0"
 RNG_STATE = "rng_state.safetensors"
 SCHEDULER_STATE = "scheduler_state.json"
 SCALER_STATE = "scaler_state.json"
+EMA_STATE = "ema_state.json"  # the EMA's update count and last decay
 TRAINING_STEP = "training_step.json"
 
 
 def step_dir_name(step: int) -> str:
     return f"{step:06d}"
+
+
+def weights_dir(pretrained_dir: Path, use_ema: bool) -> Path:
+    """The weights to evaluate for a checkpoint's ``pretrained_model/``: its ``pretrained_model_ema/`` sibling when
+    ``use_ema`` and the checkpoint has one, else ``pretrained_dir`` itself."""
+    pretrained_dir = Path(pretrained_dir)
+    ema = pretrained_dir.parent / PRETRAINED_MODEL_EMA_DIR
+    return ema if use_ema and pretrained_dir.name == PRETRAINED_MODEL_DIR and ema.is_dir() else pretrained_dir
 
 
 def checkpoints_root(output_dir: Path) -> Path:

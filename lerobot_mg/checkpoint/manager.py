@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.disk import DiskGuard, fsync_dir, tree_bytes
+from lerobot_mg.checkpoint.ema_files import EMAFiles
 from lerobot_mg.checkpoint.formats import AdapterFiles, CheckpointFiles, tensor_bytes
 from lerobot_mg.checkpoint.resume import write_training_step
 from lerobot_mg.checkpoint.state import (
@@ -44,6 +45,7 @@ from lerobot_mg.checkpoint.state import (
 )
 from lerobot_mg.config.choices import CheckpointFormat
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.ema import ModelEMA
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class CheckpointManager:
 
     def __init__(self, output_dir: Path, checkpoint_format: CheckpointFormat | str, keep_last: int | None,
                  dims: ParallelDims, adapter: AdapterFiles | None = None, async_save: bool = False,
-                 group_timeout: timedelta | None = None):
+                 group_timeout: timedelta | None = None, ema: ModelEMA | None = None):
         self.root = L.checkpoints_root(output_dir)
         self.keep_last = keep_last
         self.dims = dims
@@ -120,6 +122,7 @@ class CheckpointManager:
         self._group = (dist.new_group(backend="gloo", timeout=group_timeout)
                        if async_save and dims.is_distributed else None)
         self._files = CheckpointFiles(CheckpointFormat(checkpoint_format), dims, adapter, self._group)
+        self._ema = EMAFiles(self._files, ema) if ema is not None else None  # pretrained_model_ema/
         self._disk = DiskGuard(self.root, dims)
         self._in_flight: _InFlight | None = None
         if self._writer is not None:
@@ -153,9 +156,13 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             (tmp / L.PRETRAINED_MODEL_DIR).mkdir(parents=True)
             (tmp / L.TRAINING_STATE_DIR).mkdir(parents=True)
+            if self._ema is not None:
+                (tmp / L.PRETRAINED_MODEL_EMA_DIR).mkdir()
         _barrier(dims)
         pretrained, training_state = tmp / L.PRETRAINED_MODEL_DIR, tmp / L.TRAINING_STATE_DIR
         large = self._files.large_writes(model, optimizer, items.policy, pretrained, training_state)  # collective
+        if self._ema is not None:  # collective
+            large += self._ema.large_writes(model, items.policy, tmp / L.PRETRAINED_MODEL_EMA_DIR)
         self._disk.check_free_space(tmp, sum(tensor_bytes(item.state) for item in large))  # collective
         staged_bytes = 0
         if self._stager is not None:  # a copy: training goes on changing the originals while the copy is written
@@ -183,6 +190,8 @@ class CheckpointManager:
                     write_json(training_state / L.SCHEDULER_STATE, scheduler_state_to_json(items.scheduler.state_dict()))
                 if items.scaler is not None:
                     write_json(training_state / L.SCALER_STATE, items.scaler.state_dict())
+                if self._ema is not None:
+                    self._ema.write_small(tmp, items.train_config, items.preprocessor, items.postprocessor)
 
         if self._writer is None:
             _barrier(dims)  # every shard is on disk before the marker
@@ -286,6 +295,8 @@ class CheckpointManager:
         """
         pretrained, training_state = step_dir / L.PRETRAINED_MODEL_DIR, step_dir / L.TRAINING_STATE_DIR
         self._files.load(model, optimizer, pretrained, training_state)
+        if self._ema is not None:
+            self._ema.load(step_dir)
         if scheduler is not None and (training_state / L.SCHEDULER_STATE).is_file():
             scheduler.load_state_dict(scheduler_state_from_json(read_json(training_state / L.SCHEDULER_STATE)))
         if scaler is not None and (training_state / L.SCALER_STATE).is_file():

@@ -203,6 +203,23 @@ class PeftConfig:
 
 
 @dataclass
+class EMAConfig:
+    """An exponential moving average of the trained weights (lerobot_mg/ema.py), with Diffusion Policy's warm-up
+    schedule and defaults: after n optimizer updates the decay is ``1 - (1 + k / inv_gamma) ** -power`` with
+    ``k = n - update_after_step - 1``, clamped to ``[min_decay, max_decay]``, and 0 (a copy of the weights) until
+    k > 0. Each checkpoint holds the averaged weights as ``pretrained_model_ema/`` beside ``pretrained_model/``."""
+
+    enable: bool = False
+    power: float = 0.75
+    inv_gamma: float = 1.0
+    min_decay: float = 0.0
+    max_decay: float = 0.9999
+    update_after_step: int = 0  # optimizer updates before the average starts to lag the weights
+    # Evaluation in simulation (eval.*) rolls out the averaged weights when the checkpoint has them.
+    use_for_eval: bool = True
+
+
+@dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
     project: str = "lerobot_mg"
@@ -251,6 +268,7 @@ class TrainConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trackio: TrackioConfig = field(default_factory=TrackioConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -29,6 +29,7 @@ def validate(cfg: TrainConfig, sharded: bool) -> None:
     _validate_accelerator(cfg, sharded)
     _validate_checkpoint(cfg, sharded)
     _validate_data_and_optim(cfg)
+    _validate_ema(cfg)
     cfg.policy.validate()
 
 
@@ -179,3 +180,17 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
 
 
+def _validate_ema(cfg: TrainConfig) -> None:
+    """The EMA schedule's ranges (Diffusion Policy's: a positive power and inv_gamma, 0 <= min <= max < 1)."""
+    ema = cfg.ema
+    for key, fix in (("power", "ema.power=0.75"), ("inv_gamma", "ema.inv_gamma=1.0")):
+        if not getattr(ema, key) > 0:
+            raise config_error(f"ema.{key}", getattr(ema, key), "must be > 0", fix)
+    if not 0.0 <= ema.max_decay < 1.0:
+        raise config_error("ema.max_decay", ema.max_decay, "must be in [0, 1) (1 would never move the average)",
+                           "ema.max_decay=0.9999")
+    if not 0.0 <= ema.min_decay <= ema.max_decay:
+        raise config_error("ema.min_decay", ema.min_decay, f"must be in [0, ema.max_decay={ema.max_decay}]",
+                           "ema.min_decay=0.0")
+    if ema.update_after_step < 0:
+        raise config_error("ema.update_after_step", ema.update_after_step, "must be >= 0", "ema.update_after_step=0")

@@ -11,6 +11,7 @@ round-trip test bounds it); noise-like images lose more.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from fractions import Fraction
@@ -40,6 +41,19 @@ _ENCODER_OPTIONS: dict[str, dict[str, str]] = {
     "av1": {"g": "2", "crf": "30"},
 }
 PIX_FMT = "yuv420p"
+
+
+@functools.cache
+def single_thread_reformat() -> dict[str, int]:
+    """The keywords of ``VideoReformatter.reformat`` that convert on the calling thread. PyAV 17 made reformatting
+    multithreaded unless ``threads=1``; before it (av 15, which LeRobot 0.6.1 pins: ``av>=15,<16``) there is no
+    ``threads`` argument and the conversion always runs on the calling thread. Asked of the installed PyAV once."""
+    probe = av.VideoFrame(2, 2, PIX_FMT)
+    try:
+        VideoReformatter().reformat(probe, format="rgb24", threads=1)
+    except TypeError:  # reformat() got an unexpected keyword argument 'threads'
+        return {}
+    return {"threads": 1}
 
 
 def resolve_encoder(codec: str) -> str:
@@ -211,7 +225,7 @@ class VideoFrameReader:
                 )
             if nearest not in rgb:
                 # One thread, as the decoder: a forked worker frees its parent's copy, which must own no threads.
-                frame = self._rgb[path].reformat(decoded[nearest][1], format="rgb24", threads=1)
+                frame = self._rgb[path].reformat(decoded[nearest][1], format="rgb24", **single_thread_reformat())
                 rgb[nearest] = frame.to_ndarray()
             frames.append(rgb[nearest])
         return frames[0][None] if len(frames) == 1 else np.stack(frames)  # one frame: a view, not a copy

@@ -1,4 +1,5 @@
-"""Bytes each rank holds for training: its parameter shards, their gradients and its optimizer state.
+"""Bytes each rank holds for training: its parameter shards, their gradients, its optimizer state and, with
+``ema.enable``, the moving average of its trainable shards.
 
 Two sides of one account. :func:`rank_bytes` measures them on a prepared model (``rank_bytes.json`` at the end of a
 run); :func:`plan_memory` predicts them before anything exists, from a parameter-less (meta-device) copy of the
@@ -13,9 +14,11 @@ What the plan counts, per rank, as the trainer builds it:
   ``ceil(rows / dp_shard)`` rows, the last may get fewer); DDP and one process hold every parameter whole. Mixed
   precision on a sharded run keeps fp32 master copies of the trainable parameters (``_upcast_trainable``);
 - gradients: one per trainable element, in the parameter's dtype (what backward allocates);
-- optimizer state: AdamW's two moments per trainable element, plus its 4-byte step counter per parameter.
+- optimizer state: AdamW's two moments per trainable element, plus its 4-byte step counter per parameter;
+- EMA (``ema.enable``): one average per trainable element, a clone of the parameter's shard (lerobot_mg/ema.py), so
+  under FSDP2/HSDP a rank holds 1/dp_shard of what a DDP rank holds.
 
-Mixed precision does not shrink any of the three (the master weights, their gradients and the moments stay fp32);
+Mixed precision does not shrink any of them (the master weights, their gradients, the moments and the EMA stay fp32);
 it shrinks activations and the gathered copy of a unit during its forward, which this account leaves out.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,13 +53,20 @@ class RankBytes:
     parameters: int  # frozen and trainable
     trainable_parameters: int
     optimizer_state: int
+    ema: int = 0  # the moving average of the trainable parameters (ema.enable)
     gradients: int = field(init=False)
     total: int = field(init=False)
 
     def __post_init__(self) -> None:
         # One trainable element, one gradient element of the same dtype (as backward allocates them).
         object.__setattr__(self, "gradients", self.trainable_parameters)
-        object.__setattr__(self, "total", self.parameters + self.gradients + self.optimizer_state)
+        object.__setattr__(self, "total", self.parameters + self.gradients + self.optimizer_state + self.ema)
+
+    def components(self) -> str:
+        """``parameters X + gradients Y + optimizer state Z [+ EMA W]`` in GiB (the fit verdict's words)."""
+        gib = 2**30
+        return (f"parameters {self.parameters / gib:.2f} + gradients {self.gradients / gib:.2f} + optimizer state "
+                f"{self.optimizer_state / gib:.2f}" + (f" + EMA {self.ema / gib:.2f}" if self.ema else ""))
 
 
 def _local_bytes(tensor: Tensor) -> int:
@@ -63,9 +74,11 @@ def _local_bytes(tensor: Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """This rank's parameter bytes (frozen and trainable), gradient bytes and optimizer-state bytes (after the
-    first update), measured on the prepared model: a dict of :class:`RankBytes` fields."""
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               ema: Iterable[Tensor] | None = None) -> dict[str, int]:
+    """This rank's parameter bytes (frozen and trainable), gradient bytes, optimizer-state bytes (after the
+    first update) and EMA bytes (``ema``: the averages, lerobot_mg.ema.ModelEMA), measured on the prepared model: a
+    dict of :class:`RankBytes` fields."""
     params = list(model.parameters())
     optimizer_state = 0
     if optimizer is not None:
@@ -77,12 +90,14 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
         parameters=sum(_local_bytes(p) for p in params),
         trainable_parameters=sum(_local_bytes(p) for p in params if p.requires_grad),
         optimizer_state=optimizer_state,
+        ema=sum(_local_bytes(average) for average in ema or ()),
     ))
 
 
-def gather_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, Any]]:
+def gather_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      ema: Iterable[Tensor] | None = None) -> list[dict[str, Any]]:
     """:func:`rank_bytes` of every rank, in rank order. Collective: every rank must call it."""
-    mine = rank_bytes(model, optimizer)
+    mine = rank_bytes(model, optimizer, ema)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -126,8 +141,10 @@ def _shard_rows(rows: int, dp_shard: int, shard_index: int) -> int:
     return max(0, min(chunk, rows - shard_index * chunk))
 
 
-def planned_rank_bytes(facts: list[ParamFact], dp_shard: int, shard_index: int, upcast_trainable: bool) -> RankBytes:
-    """:class:`RankBytes` of the rank at ``shard_index`` of a shard group of ``dp_shard`` ranks (1: unsharded)."""
+def planned_rank_bytes(facts: list[ParamFact], dp_shard: int, shard_index: int, upcast_trainable: bool,
+                       ema: bool = False) -> RankBytes:
+    """:class:`RankBytes` of the rank at ``shard_index`` of a shard group of ``dp_shard`` ranks (1: unsharded);
+    ``ema``: with the moving average of the trainable shards."""
     parameters = trainable = moments = 0
     for fact in facts:
         rows = _shard_rows(fact.rows, dp_shard, shard_index) if fact.sharded and dp_shard > 1 else fact.rows
@@ -137,7 +154,8 @@ def planned_rank_bytes(facts: list[ParamFact], dp_shard: int, shard_index: int, 
         if fact.trainable:
             trainable += numel * size
             moments += ADAMW_MOMENTS * numel * size + ADAMW_STEP_BYTES
-    return RankBytes(parameters=parameters, trainable_parameters=trainable, optimizer_state=moments)
+    return RankBytes(parameters=parameters, trainable_parameters=trainable, optimizer_state=moments,
+                     ema=trainable if ema else 0)
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,7 @@ class MemoryPlan:
     upcast_trainable: bool
     # What the plan=true printout checks the fit against (None: not checked, e.g. a GPU plan made without a GPU).
     budget: MemoryBudget | None = None
+    ema: bool = False  # ema.enable: each rank holds the average of its trainable shards
 
     @property
     def on_device(self) -> bool:
@@ -193,8 +212,8 @@ class MemoryPlan:
         world = self.topology.world_size
         options = []
         for dp_shard in (d for d in range(1, world + 1) if world % d == 0):
-            held = max((planned_rank_bytes(list(self.facts), dp_shard, s, self.upcast_trainable and dp_shard > 1)
-                        for s in range(dp_shard)), key=lambda h: h.total)
+            held = max((planned_rank_bytes(list(self.facts), dp_shard, s, self.upcast_trainable and dp_shard > 1,
+                                           self.ema) for s in range(dp_shard)), key=lambda h: h.total)
             options.append(LayoutOption(world // dp_shard, dp_shard, False, held))
             if self.gpu and dp_shard > 1:  # FSDP2 offloads sharded state only
                 options.append(LayoutOption(world // dp_shard, dp_shard, True, held))
@@ -214,7 +233,8 @@ class MemoryPlan:
                     else [(_rank_ranges(ranks), held) for held, ranks in groups.items()])
         lines += [f"  {label} ({where}): parameters {held.parameters / mib:.3f} MiB (trainable "
                   f"{held.trainable_parameters / mib:.3f}) + gradients {held.gradients / mib:.3f} + optimizer state "
-                  f"{held.optimizer_state / mib:.3f} = {held.total / mib:.3f} MiB" for label, held in labelled]
+                  f"{held.optimizer_state / mib:.3f}" + (f" + EMA {held.ema / mib:.3f}" if held.ema else "")
+                  + f" = {held.total / mib:.3f} MiB" for label, held in labelled]
         if self.budget is None:
             lines.append("  fit: not checked (no GPU here to compare with): plan_device_memory_gib=<GiB of one GPU>")
         else:
@@ -242,12 +262,12 @@ def plan_memory(cfg: TrainConfig, dims: ParallelDims, policy: nn.Module) -> Memo
     units = plan_units(policy, acc, dims.is_sharded)
     upcast = dims.is_sharded and acc.mixed_precision != "no"
     facts = param_facts(policy, acc.fsdp.ignored_modules if dims.is_sharded else None)
-    per_rank = tuple(planned_rank_bytes(facts, dims.dp_shard, rank % dims.dp_shard, upcast)
+    per_rank = tuple(planned_rank_bytes(facts, dims.dp_shard, rank % dims.dp_shard, upcast, cfg.ema.enable)
                      for rank in range(dims.world_size))
     return MemoryPlan(dims.topology, per_rank, not use_cpu(acc), dims.is_sharded and acc.fsdp.cpu_offload,
                       tuple(name for name, _ in units.units), units.rule,
                       BatchArithmetic(cfg.batch_size, dims.dp_world_size, acc.gradient_accumulation.steps),
-                      tuple(facts), upcast)
+                      tuple(facts), upcast, ema=cfg.ema.enable)
 
 
 def memory_budget(on_device: bool, local_rank: int) -> MemoryBudget:
@@ -273,8 +293,7 @@ def fit_verdict(plan: MemoryPlan, budget: MemoryBudget) -> tuple[bool, str, str]
                if (option.cpu_offload and not plan.cpu_offload) or option.per_rank.total * budget.ranks_sharing <= budget.free_bytes]
     held = plan.busiest
     fits = need <= budget.free_bytes
-    problem = (f"each rank holds {held.total / gib:.2f} GiB of training state (parameters {held.parameters / gib:.2f}"
-               f" + gradients {held.gradients / gib:.2f} + optimizer state {held.optimizer_state / gib:.2f}), "
+    problem = (f"each rank holds {held.total / gib:.2f} GiB of training state ({held.components()}), "
                f"x {budget.ranks_sharing} rank(s) = {need / gib:.2f} GiB {'<=' if fits else '>'} {budget.what} "
                f"{budget.free_bytes / gib:.2f} GiB")
     if not fits:

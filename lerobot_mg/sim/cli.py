@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lerobot_mg import cli
+from lerobot_mg.checkpoint.layout import weights_dir
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.sim.env import EPISODE_LENGTH
 from lerobot_mg.sim.evaluate import evaluate_expert, evaluate_policy
@@ -57,6 +58,9 @@ class EvalArgs:
     video_dir: Path | None = field(default=None, metadata={"help": "write mp4s of the first n_video_episodes here"})
     n_video_episodes: int = 3
     out: Path | None = field(default=None, metadata={"help": "write the full report (per episode) as JSON here"})
+    use_ema: bool = field(default=True, metadata={
+        "help": "a checkpoint with pretrained_model_ema/ beside policy_path: roll out its EMA weights (false: "
+                "policy_path's own)"})
     keep_adapter: bool = field(default=False, metadata={
         "help": "a PEFT checkpoint: run base + adapter as the peft model instead of merging the adapter in"})
 
@@ -74,7 +78,9 @@ def _eval(args: EvalArgs) -> None:
             report = evaluate_expert(args.n_episodes, args.seed_start, args.video_dir, args.max_steps,
                                      args.n_video_episodes)
         else:
-            report = evaluate_policy(args.policy_path, args.n_episodes, args.seed_start, video_dir=args.video_dir,
+            weights = weights_dir(args.policy_path, args.use_ema)
+            print(f"evaluating {weights}", flush=True)
+            report = evaluate_policy(weights, args.n_episodes, args.seed_start, video_dir=args.video_dir,
                                      max_steps=args.max_steps, device=args.device,
                                      n_video_episodes=args.n_video_episodes, merge_adapter=not args.keep_adapter)
     except ImportError as error:  # the sim extra is missing: its message names the install command

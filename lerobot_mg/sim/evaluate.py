@@ -311,7 +311,8 @@ def write_video(path: Path, frames_THWC: np.ndarray, fps: int = FPS) -> None:
 def evaluate_run(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
     """The end of a training run: roll out its last checkpoint (``eval.*``) and write eval_info.json; main process
     only."""
-    pretrained = layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR
+    pretrained = layout.weights_dir(layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR,
+                                    cfg.ema.enable and cfg.ema.use_for_eval)  # pretrained_model_ema/ when present
     video_dir = output_dir / "eval" / "videos" if cfg.eval.n_video_episodes > 0 else None
     result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
                              video_dir=video_dir, n_video_episodes=cfg.eval.n_video_episodes,

@@ -33,16 +33,18 @@ DETERMINISTIC_RUN = [
 OTHER_KERNEL = {"ATEN_CPU_CAPABILITY": "avx2"}
 # name -> (number of processes, overrides). Every family shares one effective batch per optimizer update:
 # 8 for single/DDP/FSDP, 16 for HSDP on 4 ranks. Accumulating runs take twice the loop steps and log every
-# second step, so their log lines fall on optimizer updates.
+# second step, so their log lines fall on optimizer updates. The runs that tests/dist/test_ema_runs.py compares
+# keep the EMA of their weights too (it never changes the weights).
 LAYOUT_RUNS: dict[str, tuple[int, list[str]]] = {
-    "single_b8": (1, ["batch_size=8", "steps=6"]),
+    "single_b8": (1, ["batch_size=8", "steps=6", "ema.enable=true"]),
     "ddp_b4": (2, ["batch_size=4", "steps=6"]),
-    "fsdp_b4": (2, ["batch_size=4", "steps=6", "parallelism.dp_shard=2"]),
+    "fsdp_b4": (2, ["batch_size=4", "steps=6", "parallelism.dp_shard=2", "ema.enable=true"]),
     "ddp_b2_accum2": (2, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2"]),
     "fsdp_b2_accum2": (2, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2",
                           "parallelism.dp_shard=2"]),
-    "single_b16": (1, ["batch_size=16", "steps=6"]),
-    "hsdp_b4": (4, ["batch_size=4", "steps=6", "parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
+    "single_b16": (1, ["batch_size=16", "steps=6", "ema.enable=true"]),
+    "hsdp_b4": (4, ["batch_size=4", "steps=6", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+                    "ema.enable=true"]),
     "hsdp_b2_accum2": (4, ["batch_size=2", "steps=12", "log_freq=2", "accelerator.gradient_accumulation.steps=2",
                           "parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
 }

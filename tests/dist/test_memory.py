@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.dist
 
 _RANK_LINE = re.compile(r"rank (\d+) \(host RAM\): parameters ([\d.]+) MiB \(trainable ([\d.]+)\) \+ gradients "
-                        r"([\d.]+) \+ optimizer state ([\d.]+) = ([\d.]+) MiB")
-COMPONENTS = ("parameters", "trainable_parameters", "gradients", "optimizer_state", "total")
+                        r"([\d.]+) \+ optimizer state ([\d.]+) \+ EMA ([\d.]+) = ([\d.]+) MiB")
+COMPONENTS = ("parameters", "trainable_parameters", "gradients", "optimizer_state", "ema", "total")
 
 
 def test_plan_matches_what_a_2_rank_fsdp_run_holds(layout_run: Callable[[str], Run], tmp_path: Path) -> None:
-    """The plan of the fsdp_b4 layout run's configuration, printed under torchrun, per rank and component, within
-    5 % of the bytes that run measured on its prepared model after its last update (rank_bytes.json)."""
+    """The plan of the fsdp_b4 layout run's configuration (EMA on), printed under torchrun, per rank and component,
+    within 5 % of the bytes that run measured on its prepared model after its last update (rank_bytes.json)."""
     nproc, overrides = LAYOUT_RUNS["fsdp_b4"]
     out_dir = tmp_path / "never_written"
     proc = run_train([*DETERMINISTIC_RUN, *overrides, f"output_dir={out_dir}", "plan=true"], nproc=nproc, timeout=120)
@@ -34,7 +34,7 @@ def test_plan_matches_what_a_2_rank_fsdp_run_holds(layout_run: Callable[[str], R
     assert ("memory plan: FSDP2: 2 shards; batch_size 4 x dp_world_size 2 x grad_accum 1 = effective batch 8"
             in proc.stdout), proc.stdout[-3000:]
     assert "  wrap units (ACTPolicy._fsdp_wrap_modules=['ACTEncoderLayer', 'ACTDecoderLayer']): " in proc.stdout
-    planned = {int(m[1]): dict(zip(COMPONENTS, (float(m[2]), float(m[3]), float(m[4]), float(m[5]), float(m[6]))))
+    planned = {int(m[1]): dict(zip(COMPONENTS, (float(value) for value in m.groups()[1:])))
                for m in _RANK_LINE.finditer(proc.stdout)}
     held = json.loads((layout_run("fsdp_b4").output_dir / "rank_bytes.json").read_text())
     assert sorted(planned) == [0, 1] and len(held) == 2

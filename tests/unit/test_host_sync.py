@@ -1,5 +1,6 @@
 """No host sync per step: inside the training loop, no tensor is read on the host (``item``, ``tolist``,
 ``float()``, ``int()``, ``bool()``) except on log and checkpoint steps, where the metrics are reduced and read.
+The runs keep the EMA of their weights (``ema.enable=true``): its update after every optimizer update reads nothing.
 
 On a GPU each such read waits for the device's queue to drain, which leaves a small policy's GPU idle between
 steps. The real trainer runs in a child process with those methods counting their calls during each loop step
@@ -94,7 +95,7 @@ def test_no_host_reads_on_steps_that_neither_log_nor_save(nproc: int, layout: li
     probe.write_text(PROBE)
     counts_dir = tmp_path / "counts"
     run_train([*TINY_RUN, f"steps={STEPS}", f"log_freq={LOG_FREQ}", f"checkpoint.save_freq={SAVE_FREQ}",
-               "optimizer.grad_clip_norm=10", f"output_dir={tmp_path / 'run'}", *layout],
+               "optimizer.grad_clip_norm=10", "ema.enable=true", f"output_dir={tmp_path / 'run'}", *layout],
               nproc=nproc, timeout=240, env={"SYNC_COUNTS": str(counts_dir)}, script=probe)
     for rank in range(nproc):
         recorded = json.loads((counts_dir / f"rank{rank}.json").read_text())
