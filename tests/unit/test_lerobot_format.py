@@ -32,7 +32,7 @@ from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.peft.base import apply_policy_path
+from lerobot_mg.peft.base import adapter_base_path, apply_policy_path
 from lerobot_mg.policies.act import ACTPolicy
 from lerobot_mg.policies.saved_config import lerobot_config_dict, read_saved_policy
 from lerobot_mg.policies.registry import get_policy_class
@@ -331,3 +331,12 @@ def test_a_missing_or_unexpected_key_stops_the_run_naming_them(fixture_dataset: 
             "['model.action_head.bias'], unexpected keys ['model.not_a_tensor']. Fix: ") in done.stdout, done.stdout[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
+
+
+def test_a_lerobot_adapters_relative_base_path_resolves_as_lerobot_wrote_it(tmp_path: Path) -> None:
+    """LeRobot records --policy.path as typed (relative to where lerobot-train ran): found from the folder above."""
+    lora = shutil.copytree(FIXTURES / "act_state_lora", tmp_path / "act_state_lora")
+    shutil.copytree(FIXTURES / "act_state", tmp_path / "act_state")
+    recorded = json.loads((lora / "pretrained_model" / L.ADAPTER_CONFIG_JSON).read_text())["base_model_name_or_path"]
+    assert recorded == "act_state/pretrained_model"
+    assert adapter_base_path(lora / "pretrained_model") == str(tmp_path / "act_state" / "pretrained_model")
