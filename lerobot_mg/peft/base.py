@@ -27,7 +27,7 @@ from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
-from lerobot_mg.policies.saved_config import read_saved_policy
+from lerobot_mg.policies.saved_config import build_config, read_saved_policy
 
 # Fields of a base's config that say where the base itself came from or went, not how it is built: the
 # fine-tuning run sets its own (its repo, whether it trains an adapter, the base it starts from).
@@ -131,6 +131,10 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
         if key.startswith("policy.") and key != "policy.path"
     }
     saved = read_saved_policy(Path(path))
+    # The base's values fit its class's types (a wrong one is named here, not deep in OmegaConf); the run's config,
+    # with the overrides on top, is validated at start-up.
+    build_config(policy_config_class(saved.type), {**saved.values, "type": saved.type}, Path(path) / CONFIG_NAME,
+                 validate=False)
     if saved.type != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(saved.type))
     base = {f"policy.{name}": value for name, value in saved.values.items() if name not in _RUN_OWN_FIELDS}

@@ -120,15 +120,20 @@ def read_saved_policy(directory: Path, key: str = "policy.path") -> SavedPolicy:
     train_config_path = directory / TRAIN_CONFIG_JSON
     saved_policy = {}
     if train_config_path.is_file():
-        saved_policy = json.loads(train_config_path.read_text()).get("policy") or {}
+        try:
+            saved_policy = json.loads(train_config_path.read_text()).get("policy") or {}
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{train_config_path}: is not valid JSON ({error}). Fix: {fix}") from error
     ours = {name: saved_policy[name] for name in sorted(config_class.lerobot_mg_only_fields) if name in saved_policy}
     values = _coerce_to_field_types(config_class, {**raw, **ours})
     return SavedPolicy(policy_type, values, features["input_features"], features["output_features"])
 
 
-def build_config(config_class: type[PolicyConfig], values: dict[str, Any], source: Path) -> PolicyConfig:
+def build_config(config_class: type[PolicyConfig], values: dict[str, Any], source: Path,
+                 validate: bool = True) -> PolicyConfig:
     """The config dataclass of ``values`` through its schema (each value converted to the field's type, e.g. an
-    enum from its word), validated; a value of the wrong type is a ConfigError naming the field and ``source``."""
+    enum from its word), validated unless ``validate`` is false; a value of the wrong type is a ConfigError naming
+    the field and ``source``."""
     merged = OmegaConf.structured(config_class)
     try:
         for name, value in values.items():  # replaced, not merged: a saved mapping drops the default's other keys
@@ -139,5 +144,6 @@ def build_config(config_class: type[PolicyConfig], values: dict[str, Any], sourc
                           f"{config_class.__name__} ({reason}). Fix: a pretrained_model directory written by "
                           "lerobot_mg or LeRobot 0.6.1") from error
     config = OmegaConf.to_object(merged)
-    config.validate()  # type: ignore[union-attr]
+    if validate:
+        config.validate()  # type: ignore[union-attr]
     return config  # type: ignore[return-value]

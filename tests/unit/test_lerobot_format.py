@@ -34,8 +34,8 @@ from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import adapter_base_path, apply_policy_path
 from lerobot_mg.policies.act import ACTPolicy
-from lerobot_mg.policies.saved_config import lerobot_config_dict, read_saved_policy
 from lerobot_mg.policies.registry import get_policy_class
+from lerobot_mg.policies.saved_config import lerobot_config_dict, read_saved_policy
 from lerobot_mg.processors.normalize import make_processors
 from tests.launch_utils import PUSHT_SLICE, TINY_RUN, run_train
 from tests.unit.test_config import _compose
@@ -340,3 +340,12 @@ def test_a_lerobot_adapters_relative_base_path_resolves_as_lerobot_wrote_it(tmp_
     recorded = json.loads((lora / "pretrained_model" / L.ADAPTER_CONFIG_JSON).read_text())["base_model_name_or_path"]
     assert recorded == "act_state/pretrained_model"
     assert adapter_base_path(lora / "pretrained_model") == str(tmp_path / "act_state" / "pretrained_model")
+
+
+def test_a_base_value_of_the_wrong_type_is_named_before_it_becomes_the_runs(tmp_path: Path) -> None:
+    base = lerobot_base(tmp_path / "pretrained_model")
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "n_heads": "four"}, indent=4))
+    overrides = [*TINY_RUN, f"dataset.root={PUSHT_SLICE}", f"policy.path={base}"]
+    with pytest.raises(ConfigError, match=rf"^{base / 'config.json'}: policy\.n_heads does not fit ACTConfig .*Fix: "):
+        apply_policy_path(_compose(overrides), overrides)
