@@ -44,22 +44,18 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1"
 HUB_REPO_ID = "lerobot_mg/act_state"
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-# LeRobot fields our config classes do not have yet (the ACT and Diffusion parts of the interop work add them).
+# LeRobot fields a config class of ours does not have yet (the ACT part of the interop work adds them).
 PENDING_FIELDS: dict[str, frozenset[str]] = {
     "act": frozenset({
         "optimizer_lr", "optimizer_lr_backbone", "optimizer_weight_decay", "pretrained_backbone_weights",
         "replace_final_stride_with_dilation", "temporal_ensemble_coeff", "vision_backbone",
     }),
-    "diffusion": frozenset({
-        "compile_mode", "compile_model", "crop_ratio", "drop_n_last_frames", "gradient_checkpointing",
-        "optimizer_betas", "optimizer_eps", "optimizer_lr", "optimizer_weight_decay", "pretrained_backbone_weights",
-        "resize_shape", "scheduler_name", "scheduler_warmup_steps", "use_group_norm", "vision_backbone",
-    }),
+    "diffusion": frozenset(),
 }
-# Fixtures whose state_dict (names, shapes, dtypes) our model does not build yet from the same config.json.
-PENDING_STATE_DICT = {"act_state": True, "act_image": True, "diffusion_image": True}
-# Our processor files do not have LeRobot's step file names and JSON yet.
-PENDING_PROCESSOR_FILES = True
+# True for a fixture whose state_dict (names, shapes, dtypes) our model does not build yet from its config.json.
+PENDING_STATE_DICT = {"act_state": True, "act_image": True, "diffusion_image": False}
+# True while our processor files do not have LeRobot's step file names and JSON.
+PENDING_PROCESSOR_FILES = False
 # A field whose default differs on purpose: LeRobot's is torchvision's ImageNet weights (a download); ours null.
 NULL_BY_CHOICE = {"pretrained_backbone_weights"}
 
