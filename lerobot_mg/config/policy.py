@@ -22,8 +22,13 @@ def _default_vision_channels() -> list[int]:
     return [32, 64, 128, 256]
 
 
-def _mean_std_everywhere() -> dict[str, NormalizationMode]:
-    return {feature_type.value: NormalizationMode.MEAN_STD for feature_type in FeatureType}
+def _lerobot_normalization_mapping() -> dict[str, NormalizationMode]:
+    # LeRobot's ACT default: a feature type without an entry (ENV here) is passed through unchanged (IDENTITY).
+    return {
+        FeatureType.VISUAL.value: NormalizationMode.MEAN_STD,
+        FeatureType.STATE.value: NormalizationMode.MEAN_STD,
+        FeatureType.ACTION.value: NormalizationMode.MEAN_STD,
+    }
 
 
 def check_positive_ints(values: dict[str, int]) -> None:
@@ -46,30 +51,54 @@ def _list_override(values: list[int]) -> str:
 class PolicyConfig:
     """What the policy base class and the trainer read from every policy config.
 
+    The fields are LeRobot 0.6.1's ``PreTrainedConfig`` fields, with LeRobot's names, types and defaults (a
+    pretrained_model/'s config.json holds exactly those, so LeRobot reads it), and after them the few that only
+    lerobot_mg has, named in ``lerobot_mg_only_fields``: those live in the run's train_config.json.
+
     A subclass sets ``type`` (its preset's name), ``action_length_key``, ``action_delta_indices`` (and
-    ``observation_delta_indices`` when it keeps an observation history), and checks its own fields in
-    ``check_fields``.
+    ``observation_delta_indices`` when it keeps an observation history), adds its own lerobot_mg-only names to
+    ``lerobot_mg_only_fields``, and checks its own fields in ``check_fields``.
     """
 
     action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
+    # Fields config.json never holds (LeRobot would refuse them); a subclass adds its own with `|`.
+    lerobot_mg_only_fields: ClassVar[frozenset[str]] = frozenset({"path", "observation_keys", "vision_channels"})
 
     type: str = ""
-    # A pretrained_model/ directory to start from (config + weights + processors): fine-tuning, with or without
-    # peft.*. Its config.json replaces this group's values; policy.* overrides on the command line apply on top.
+    # Frames of observation history the policy reads (1: the current frame only).
+    n_obs_steps: int = 1
+    # LeRobot's device and automatic mixed precision: read and kept for LeRobot, not acted on here (the launcher
+    # picks the device, accelerator.mixed_precision the precision; null lets LeRobot pick its own device).
+    device: str | None = None
+    use_amp: bool = False
+    # True in the config.json of a PEFT run (its directory holds an adapter on a base, as LeRobot writes it).
+    use_peft: bool = False
+    # LeRobot's publishing fields: at the end of training the main process uploads the final pretrained_model/ to
+    # the model repo <user>/<name> with a model card. push_to_hub is true by default, as in LeRobot, so a repo id
+    # alone publishes; push_to_hub=false keeps the repo id unused. private, tags and license describe the repo.
+    push_to_hub: bool = True
+    repo_id: str | None = None
+    private: bool | None = None
+    tags: list[str] | None = None
+    license: str | None = None
+    # The base a fine-tuned policy started from (set from policy.path), and its Hub revision for a repo id.
+    pretrained_path: str | None = None
+    pretrained_revision: str | None = None
+    # Actions of a predicted chunk that run before the next prediction.
+    n_action_steps: int = 1
+    # Normalisation mode per feature type (VISUAL, STATE, ENV, ACTION): MEAN_STD, MIN_MAX (to [-1, 1]) or IDENTITY;
+    # a type without an entry is left unchanged.
+    normalization_mapping: dict[str, NormalizationMode] = field(default_factory=_lerobot_normalization_mapping)
+
+    # --- lerobot_mg only (train_config.json) ---
+    # A pretrained_model/ directory (or a Hub model repo id) to start from (config + weights + processors):
+    # fine-tuning, with or without peft.*. Its config.json replaces this group's values; policy.* overrides on the
+    # command line apply on top.
     path: str | None = None
     # Dataset keys fed to the policy; None means every `observation.*` key of the dataset.
     observation_keys: list[str] | None = None
-    # Actions of a predicted chunk that run before the next prediction.
-    n_action_steps: int = 1
-    # Image encoder: the stage widths of our backbone (lerobot_mg.policies.vision).
+    # Image encoder: the stage widths of our small backbone (lerobot_mg.policies.vision).
     vision_channels: list[int] = field(default_factory=_default_vision_channels)
-    # Normalisation mode per feature type (VISUAL, STATE, ENV, ACTION): MEAN_STD, MIN_MAX (to [-1, 1]) or IDENTITY.
-    normalization_mapping: dict[str, NormalizationMode] = field(default_factory=_mean_std_everywhere)
-    # LeRobot's publishing fields, under LeRobot's names (config.json keeps them): at the end of training the main
-    # process uploads the final pretrained_model/ to the model repo <user>/<name> with a model card. push_to_hub is
-    # true by default, as in LeRobot, so a repo id alone publishes; push_to_hub=false keeps the repo id unused.
-    repo_id: str | None = None
-    push_to_hub: bool = True
 
     @property
     def publishes(self) -> bool:
@@ -96,7 +125,7 @@ class PolicyConfig:
         preset = type(self).__dataclass_fields__["type"].default
         if self.type != preset:
             raise config_error("policy.type", self.type, f"does not match {type(self).__name__}", f"policy={preset}")
-        check_positive_ints({"n_action_steps": self.n_action_steps})
+        check_positive_ints({"n_obs_steps": self.n_obs_steps, "n_action_steps": self.n_action_steps})
         if self.repo_id is not None and not is_repo_id(self.repo_id):
             raise config_error("policy.repo_id", self.repo_id, "is not a Hub repo id <user>/<name>",
                                "policy.repo_id=${HF_USER}/my_trained_policy")

@@ -166,17 +166,20 @@ def hub_write_refusal(env: Mapping[str, str] | None = None, when: str = "at the 
     return None
 
 
-def resolve_policy_path(path: str) -> str:
-    """``policy.path``: a directory as given, or a Hub model repo id (``<user>/<name>``, as LeRobot accepts it)
-    resolved through huggingface_hub's own cache: the cached snapshot offline, else downloaded into that cache."""
+def resolve_policy_path(path: str, revision: str | None = None) -> str:
+    """``policy.path``: a directory as given, or a Hub model repo id (``<user>/<name>``, as LeRobot accepts it, at
+    ``revision``, default ``main``) resolved through huggingface_hub's own cache lookup: its cached snapshot
+    (``$HF_HUB_CACHE/models--<user>--<name>/snapshots/<commit>``, what ``refs/<revision>`` names), downloaded into
+    that cache first unless it is there or ``HF_HUB_OFFLINE=1``."""
     if Path(path).exists() or not is_repo_id(path):
         return path
     try:
-        return snapshot_download(path, repo_type="model")
+        return snapshot_download(path, repo_type="model", revision=revision)
     except Exception as error:  # not cached offline, no network, no such repo
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        at = f" --revision {revision}" if revision else ""
         raise config_error(
             "policy.path", path, f"is no directory, and as a Hub model repo it could not be had ({reason})",
             f"policy.path=<run>/checkpoints/<step or last>/pretrained_model, or fetch it while online: hf download "
-            f"{path}",
+            f"{path}{at}",
         ) from error

@@ -1,4 +1,6 @@
-"""``policy.path``: the base policy a fine-tuning run starts from, read from a ``pretrained_model/`` directory.
+"""``policy.path``: the base policy a fine-tuning run starts from, read from a ``pretrained_model/`` directory
+written by lerobot_mg or by LeRobot 0.6.1 (its config.json, weights and processors), or a Hub model repo id whose
+snapshot huggingface_hub has (or fetches) in its cache.
 
 Three kinds of directory hold a loadable base: our own checkpoints and gathered safetensors
 (``model.safetensors``), converted DCP checkpoints (the same file, written by ``lerobot-mg-convert-dcp``), and
@@ -25,9 +27,11 @@ from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
+from lerobot_mg.policies.saved_config import build_config, read_saved_policy
 
-# config.json keys that describe the saved policy's data rather than its hyper-parameters.
-_FEATURE_KEYS = ("input_features", "output_features")
+# Fields of a base's config that say where the base itself came from or went, not how it is built: the
+# fine-tuning run sets its own (its repo, whether it trains an adapter, the base it starts from).
+_RUN_OWN_FIELDS = ("path", "repo_id", "push_to_hub", "use_peft", "pretrained_path", "pretrained_revision")
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -60,16 +64,10 @@ def check_policy_path(path: str) -> BaseWeights:
     )
 
 
-def read_policy_config(path: str) -> dict[str, Any]:
-    """The policy group's values saved in ``path``/config.json (hyper-parameters only, no features)."""
-    raw = json.loads((Path(path) / CONFIG_NAME).read_text())
-    return {key: value for key, value in raw.items() if key not in _FEATURE_KEYS}
-
-
 def base_features(path: str) -> tuple[dict[str, FeatureSpec], dict[str, FeatureSpec]]:
     """(input_features, output_features) the base was trained with."""
-    raw = json.loads((Path(path) / CONFIG_NAME).read_text())
-    return raw["input_features"], raw["output_features"]
+    saved = read_saved_policy(Path(path))
+    return saved.input_features, saved.output_features
 
 
 def adapter_base_path(adapter_dir: Path) -> str:
@@ -119,21 +117,34 @@ def check_dataset_matches(path: str, dataset_features: dict[str, dict[str, Any]]
 
 
 def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
-    """``policy.path`` set: the policy group becomes the base's saved config (config.json), with this command
-    line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path`` does. The path
-    is made absolute (``last`` resolved to its step), so a resume from another directory finds the same base."""
-    composed.policy.path = resolve_policy_path(str(composed.policy.path))  # a Hub repo id: its cached snapshot
-    check_policy_path(str(composed.policy.path))
-    path = str(Path(composed.policy.path).resolve())
+    """``policy.path`` set: the policy group becomes the base's saved config (config.json, a LeRobot one too), with
+    this command line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path``
+    does. The path is made absolute (``last`` resolved to its step; a Hub repo id to its cached snapshot), so a resume
+    from another directory finds the same base; ``policy.pretrained_path`` records the base as typed."""
+    typed_path = str(composed.policy.path)
+    revision = OmegaConf.select(composed, "policy.pretrained_revision")
+    resolved = resolve_policy_path(typed_path, revision)
+    check_policy_path(resolved)
+    path = str(Path(resolved).resolve())
     kept = {
         key: OmegaConf.select(composed, key) for key in override_keys(overrides)
         if key.startswith("policy.") and key != "policy.path"
     }
-    saved = read_policy_config(path)
-    if saved["type"] != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
-        composed.policy = OmegaConf.structured(policy_config_class(str(saved["type"])))
-    # Where the base was published is not where its fine-tune goes: policy.repo_id / push_to_hub are this run's.
-    base = {f"policy.{name}": value for name, value in saved.items() if name not in ("repo_id", "push_to_hub")}
-    for key, value in {**base, "policy.path": path, **kept}.items():
+    saved = read_saved_policy(Path(path))
+    # The base's values fit its class's types (a wrong one is named here, not deep in OmegaConf); the run's config,
+    # with the overrides on top, is validated at start-up.
+    build_config(policy_config_class(saved.type), {**saved.values, "type": saved.type}, Path(path) / CONFIG_NAME,
+                 validate=False)
+    if saved.type != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
+        composed.policy = OmegaConf.structured(policy_config_class(saved.type))
+    base = {f"policy.{name}": value for name, value in saved.values.items() if name not in _RUN_OWN_FIELDS}
+    if saved.values.get("observation_keys") is None:  # a LeRobot base (or ours on every input): what it reads
+        base["policy.observation_keys"] = list(saved.input_features)
+    run_own = {
+        "policy.path": path,
+        "policy.pretrained_path": typed_path if resolved != typed_path else path,
+        "policy.use_peft": OmegaConf.select(composed, "peft.method_type") is not None,
+    }
+    for key, value in {**base, **run_own, **kept}.items():
         OmegaConf.update(composed, key, value, merge=False)
     return composed

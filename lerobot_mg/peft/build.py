@@ -17,7 +17,7 @@ from lerobot_mg.peft.base import (
     stored_dtype,
 )
 from lerobot_mg.peft.lora import load_policy, resolve_targets, wrap_with_lora
-from lerobot_mg.policies.base import PreTrainedPolicy
+from lerobot_mg.policies.base import CONFIG_NAME, PreTrainedPolicy, load_state_dict_strictly
 from lerobot_mg.policies.registry import get_policy_class, make_policy
 
 
@@ -44,7 +44,8 @@ def load_base_policy(policy_cfg: Any, path: str, weights: bool = True) -> PreTra
     else:
         merged = load_policy(Path(path), merge_adapter=True)
         policy.to(next(merged.parameters()).dtype)
-        policy.load_state_dict(merged.state_dict())
+        load_state_dict_strictly(policy, merged.state_dict(), f"{path} (the adapter merged into its base)",
+                                 str(Path(path) / CONFIG_NAME))
     policy.train()
     return policy
 

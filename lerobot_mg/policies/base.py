@@ -15,9 +15,8 @@ from __future__ import annotations
 import abc
 import json
 from collections import deque
-from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,8 +24,14 @@ from torch import Tensor, nn
 
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.policies.saved_config import (
+    CONFIG_NAME,
+    FeatureSpec,
+    build_config,
+    lerobot_config_dict,
+    read_saved_policy,
+)
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Batch key of one int64 seed per sample (lerobot_mg.data.sampler.sample_seeds: a function of the run's seed, the
 # epoch and the frame only). A policy that draws training noise per sample from it trains the same on every
@@ -36,11 +41,6 @@ SAMPLE_SEED_KEY = "sample_seed"
 _CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
 # The remedy when saved weights do not fit the policy their config.json builds.
 _MISMATCH_FIX = "load a pretrained_model directory whose model.safetensors was saved with its config.json"
-
-
-class FeatureSpec(TypedDict):
-    type: str
-    shape: list[int]
 
 
 def _visual_shape_chw(key: str, spec: dict[str, Any]) -> list[int]:
@@ -135,6 +135,23 @@ def safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return ready
 
 
+def load_state_dict_strictly(module: nn.Module, state_dict: dict[str, Tensor], source: str, config_source: str) -> None:
+    """Load ``state_dict`` into ``module``, every key or none: a missing or unexpected key, or a shape that does not
+    fit, is a ConfigError naming the keys (nothing is ever left at its random init)."""
+    try:
+        missing, unexpected = module.load_state_dict(state_dict, strict=False)  # the keys are checked right below
+    except RuntimeError as error:  # shape mismatches
+        raise ConfigError(
+            f"{source}: does not match the policy built from {config_source}: "
+            f"{' '.join(str(error).split()).rstrip('.')}. Fix: {_MISMATCH_FIX}"
+        ) from error
+    if missing or unexpected:
+        raise ConfigError(
+            f"{source}: does not match the policy built from {config_source}: "
+            f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}. Fix: {_MISMATCH_FIX}"
+        )
+
+
 class PreTrainedPolicy(nn.Module, abc.ABC):
     """Base of every policy: forward returns (loss, logs) on a normalised batch; save/load as safetensors."""
 
@@ -217,18 +234,16 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         self._observation_history.clear()
 
     def config_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.name,
-            **asdict(self.config),
-            "input_features": self.input_features,
-            "output_features": self.output_features,
-        }
+        """config.json's content: LeRobot 0.6.1's fields for this policy type and nothing else (the lerobot_mg-only
+        fields live in train_config.json)."""
+        return lerobot_config_dict(self.config, self.input_features, self.output_features)
 
     def write_config(self, directory: Path) -> None:
-        """Write config.json alone (sharded checkpoints store weights elsewhere but still need it)."""
+        """Write config.json alone (sharded checkpoints store weights elsewhere but still need it), as LeRobot
+        writes it: ``json.dumps(..., indent=4)``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=4))
 
     def save_pretrained(self, directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
         """Write config.json and model.safetensors.
@@ -254,43 +269,19 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         stored = {t.dtype for t in state_dict.values() if t.is_floating_point()}
         if len(stored) == 1:
             self.to(stored.pop())
-        try:
-            missing, unexpected = self.load_state_dict(state_dict, strict=False)
-        except RuntimeError as error:  # shape mismatches
-            raise ConfigError(
-                f"{weights_path}: does not match the policy built from {directory / CONFIG_NAME}: "
-                f"{' '.join(str(error).split()).rstrip('.')}. Fix: {_MISMATCH_FIX}"
-            ) from error
-        if missing or unexpected:
-            raise ConfigError(
-                f"{weights_path}: does not match the policy built from {directory / CONFIG_NAME}: "
-                f"missing keys {missing}, unexpected keys {unexpected}. Fix: {_MISMATCH_FIX}"
-            )
+        load_state_dict_strictly(self, state_dict, str(weights_path), str(directory / CONFIG_NAME))
 
     @classmethod
     def read_config(cls, directory: Path) -> tuple[PolicyConfig, dict[str, FeatureSpec], dict[str, FeatureSpec]]:
-        """(config, input_features, output_features) from ``directory``'s config.json, validated."""
+        """(config, input_features, output_features) from ``directory``'s config.json (LeRobot's or ours) and the
+        lerobot_mg-only fields of its train_config.json, validated (see :func:`read_saved_policy`)."""
         directory = Path(directory)
-        config_path = directory / CONFIG_NAME
-        if not config_path.is_file():
-            raise ConfigError(f"{directory}: holds no {CONFIG_NAME}. Fix: pass a pretrained_model directory "
-                              "(<run>/checkpoints/<step or last>/pretrained_model)")
-        raw = json.loads(config_path.read_text())
-        policy_type = raw.pop("type", None)
-        if policy_type != cls.name:
-            raise ConfigError(f"{config_path}: holds a policy of type {policy_type!r}, not {cls.name!r}. Fix: "
-                              f"policy={policy_type}, or a pretrained_model directory of a {cls.name} policy")
-        input_features = raw.pop("input_features")
-        output_features = raw.pop("output_features")
-        known_fields = {field.name for field in fields(cls.config_class)}
-        unknown = sorted(set(raw) - known_fields)
-        if unknown:
-            raise ConfigError(f"{config_path}: has fields {unknown} that {cls.config_class.__name__} lacks (it was "
-                              "written by another version of the policy). Fix: a pretrained_model directory "
-                              "saved by this lerobot_mg")
-        config = cls.config_class(**raw, type=policy_type)
-        config.validate()
-        return config, input_features, output_features
+        saved = read_saved_policy(directory)
+        if saved.type != cls.name:
+            raise ConfigError(f"{directory / CONFIG_NAME}: holds a policy of type {saved.type!r}, not {cls.name!r}. "
+                              f"Fix: policy={saved.type}, or a pretrained_model directory of a {cls.name} policy")
+        config = build_config(cls.config_class, {**saved.values, "type": saved.type}, directory / CONFIG_NAME)
+        return config, saved.input_features, saved.output_features
 
     @classmethod
     def from_pretrained(cls, directory: Path, map_location: str | torch.device = "cpu") -> PreTrainedPolicy:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any
@@ -11,10 +10,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.config.schema import policy_config_class
-from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.act.modeling_act import ACTPolicy
-from lerobot_mg.policies.base import CONFIG_NAME, PreTrainedPolicy, features_from_dataset
+from lerobot_mg.policies.base import PreTrainedPolicy, features_from_dataset
 from lerobot_mg.policies.diffusion.modeling_diffusion import DiffusionPolicy
+from lerobot_mg.policies.saved_config import read_saved_policy
 
 # The same names as the config layer's POLICY_CONFIGS; each class's config_class is the config registered there.
 POLICIES: dict[str, type[PreTrainedPolicy]] = {"act": ACTPolicy, "diffusion": DiffusionPolicy}
@@ -51,12 +50,8 @@ def make_policy(cfg: Any, dataset_features: dict[str, dict[str, Any]]) -> PreTra
 
 
 def load_pretrained(directory: Path, map_location: str = "cpu") -> PreTrainedPolicy:
-    """Load a ``pretrained_model`` directory holding a whole policy (config.json + model.safetensors), dispatching
-    on config.json's ``type``. A PEFT run's directory (an adapter on a base) loads through
-    :func:`lerobot_mg.peft.lora.load_policy`, which takes either kind."""
-    directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise ConfigError(f"policy.path={str(directory)!r}: holds no {CONFIG_NAME}. Fix: pass a pretrained_model directory")
-    policy_type = json.loads(config_path.read_text()).get("type")
-    return get_policy_class(str(policy_type)).from_pretrained(directory, map_location=map_location)
+    """Load a ``pretrained_model`` directory holding a whole policy (config.json + model.safetensors, written by
+    lerobot_mg or LeRobot 0.6.1), dispatching on config.json's ``type``. A PEFT run's directory (an adapter on a
+    base) loads through :func:`lerobot_mg.peft.lora.load_policy`, which takes either kind."""
+    saved = read_saved_policy(Path(directory))
+    return get_policy_class(saved.type).from_pretrained(directory, map_location=map_location)

@@ -202,8 +202,9 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
     assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["type"] == "act"
-    assert config["chunk_size"] == CHUNK and config["vision_channels"] == [8, 16]
+    assert config["chunk_size"] == CHUNK and "vision_channels" not in config  # lerobot_mg's own: train_config.json
     assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
+    (tmp_path / "train_config.json").write_text(json.dumps({"policy": {"vision_channels": [8, 16]}}))
 
     loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, ACTPolicy) and not loaded.training
