@@ -22,14 +22,20 @@ _NO_RENDERING = "disable"
 _PROBE_CODE = "import mujoco; c = mujoco.GLContext(16, 16); c.make_current(); c.free()"
 
 
+SIM_PACKAGES = ("mujoco", "dm_control", "gym_aloha")
+
+
+def missing_sim_packages() -> list[str]:
+    """The packages of the simulation extra that are not installed (none imported)."""
+    return [name for name in SIM_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def require_sim() -> None:
     """Raises a clear ImportError when the simulation extra is missing; picks the GL backend.
 
     Call before importing mujoco, dm_control or gym_aloha.
     """
-    missing = [
-        name for name in ("mujoco", "dm_control", "gym_aloha") if importlib.util.find_spec(name) is None
-    ]
+    missing = missing_sim_packages()
     if missing:
         raise ImportError(
             f"lerobot_mg[sim]: the simulation needs the packages {missing}, which are not installed. Fix: "
