@@ -165,6 +165,10 @@ class Evaluator:
             reader(val_episodes), ev.val_batch_size or cfg.batch_size, cfg.seed, ev.val_batches)
         self.seeds = list(range(ev.seed_start, ev.seed_start + ev.n_episodes))
         self.final: dict[str, Any] | None = None
+        if ev.freq > 0 and not self.seeds and self.val is None and dims.is_main_process:
+            # Not refused: a preset's eval.freq (experiment=aloha_state) with eval.n_episodes=0 typed to turn off
+            # the simulation is a run without evaluation.
+            logger.warning("eval.freq=%d evaluates nothing: eval.n_episodes=0 and no dataset.val_episodes.", ev.freq)
 
     def is_eval_step(self, step: int) -> bool:
         if not self.seeds and self.val is None:

@@ -201,9 +201,6 @@ def _validate_eval(cfg: TrainConfig) -> None:
         if getattr(ev, key) is not None and val is None:
             raise config_error(f"eval.{key}", getattr(ev, key), "sizes the validation loss, and dataset.val_episodes "
                                "holds no episode out", f"dataset.val_episodes=<episodes or a count>, or drop eval.{key}")
-    if ev.freq > 0 and ev.n_episodes == 0 and val is None:
-        raise config_error("eval.freq", ev.freq, "evaluates nothing: eval.n_episodes=0 and no dataset.val_episodes",
-                           "eval.n_episodes=50 (in simulation), or dataset.val_episodes=<episodes or a count>")
     accum = cfg.accelerator.gradient_accumulation.steps
     if ev.freq % accum:
         raise config_error(

@@ -544,13 +544,6 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
     ("eval_max_steps_zero", [*VALID, "eval.max_steps=0"], 1, "eval.max_steps=0: must be >= 1 (or null)",
      "eval.max_steps=null"),
     (
-        "eval_freq_evaluating_nothing",
-        [*VALID, "eval.freq=10"],
-        1,
-        "eval.freq=10: evaluates nothing: eval.n_episodes=0 and no dataset.val_episodes",
-        "eval.n_episodes=50 (in simulation), or dataset.val_episodes=<episodes or a count>",
-    ),
-    (
         "eval_inside_an_accumulation_window",
         [*VALID, "steps=12", "eval.freq=6", "dataset.val_episodes=1", "accelerator.gradient_accumulation.steps=4"],
         1,
