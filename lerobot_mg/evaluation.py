@@ -157,8 +157,12 @@ class Evaluator:
     def __init__(self, cfg: TrainConfig, dims: ParallelDims, device: torch.device, policy: nn.Module,
                  processors: tuple[Any, Any], features: dict[str, dict[str, Any]],
                  reader: Callable[[list[int]], LeRobotDataset], val_episodes: list[int], output_dir: Path,
-                 record: Callable[[Progress, EvalMetrics, float], None]) -> None:
+                 record: Callable[[Progress, EvalMetrics, float], None],
+                 weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         self.cfg, self.dims, self.device, self.policy, self.processors = cfg, dims, device, policy, processors
+        # What is evaluated: the training policy's gathered weights, or another full state dict of the same keys
+        # (e.g. EMA weights). Collective under FSDP/HSDP.
+        self.weights = weights or (lambda: gather_full_weights(policy))
         self.features, self.output_dir, self.record = features, output_dir, record
         ev = cfg.eval
         self.val = None if not val_episodes else ValidationBatches(
@@ -181,7 +185,7 @@ class Evaluator:
         if stopping or not self.is_eval_step(progress.step):
             return None
         started = time.perf_counter()
-        weights = gather_full_weights(self.policy)  # collective under FSDP/HSDP
+        weights = self.weights()  # collective under FSDP/HSDP
         step_dir = self.output_dir / EVAL_DIR / L.step_dir_name(progress.step)
         with own_generators(self.device):
             share = self._evaluate_share(weights, step_dir)

@@ -166,7 +166,10 @@ class RunTracker:
 
     def evaluated(self, progress: Progress, metrics: EvalMetrics, seconds: float) -> None:
         """Record an evaluation of the weights at ``progress`` (every rank calls it; the main process writes): the
-        ledger's eval record, the trackers' ``eval/*`` metrics at that loop step, and one line on stdout."""
+        ledger's eval record, the trackers' ``eval/*`` metrics at that loop step, and one line on stdout. The
+        interval's samples/s and data wait share count training time only: the evaluation's seconds are left out."""
+        self.interval.start += seconds
+        self._interval_start += seconds
         self.ledger.write(EvalRecord(time.time(), replace(progress), seconds, metrics))
         self.trackers.log(progress.step, {**metrics.tracker_metrics(), "eval/seconds": seconds,
                                           "samples_seen": progress.samples_seen,

@@ -71,6 +71,7 @@ def test_evaluation_spread_over_the_ranks_equals_one_process(layout: str, state_
     evals = read_ledger(run_dir).evals
     steps = int(next(o for o in overrides if o.startswith("steps=")).split("=")[1])
     assert [e.progress.step for e in evals] == list(range(2, steps + 1, 2))
+    assert len({e.metrics.val_loss for e in evals}) == len(evals)  # each evaluated the weights of its own step
     for record in evals:
         step, metrics = record.progress.step, record.metrics
         info = json.loads((run_dir / "eval" / f"{step:06d}" / "eval_info.json").read_text())
