@@ -18,7 +18,6 @@ from lerobot_mg.checkpoint.resume import training_step
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.config.validate import best_metric
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.loader import endless_batches
 from lerobot_mg.data.sampler import ResumableBatchSampler
@@ -95,7 +94,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy), async_save=cfg.checkpoint.async_save,
                                     group_timeout=group_timeout, ema=ema,  # collective when async_save
-                                    keep_best=cfg.checkpoint.keep_best, best_metric=best_metric(cfg))
+                                    keep_best=cfg.checkpoint.keep_best, best_metric=cfg.best_metric())
     facts = RunFacts.collect(  # once per start
         cfg, dims, dataset_fingerprint=dataset.fingerprint(), model=describe_finetune(cfg, policy),
         lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps),

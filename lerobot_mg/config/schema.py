@@ -311,6 +311,13 @@ class TrainConfig:
     # machine's GPU, or its host RAM for a CPU run).
     plan_device_memory_gib: float | None = None
 
+    def best_metric(self) -> BestMetric:
+        """The metric ``checkpoint.keep_best`` ranks by: ``checkpoint.best_metric``, else the success rate where the
+        run evaluates in simulation, else the validation loss."""
+        if self.checkpoint.best_metric is not None:
+            return BestMetric(self.checkpoint.best_metric)
+        return BestMetric.success_rate if self.eval.n_episodes > 0 else BestMetric.val_loss
+
 
 def register_configs() -> None:
     # ${lerobot_mg_data:} in conf/: DATA_DIR, e.g. the PushT slice of experiment=pusht_debug.

@@ -228,7 +228,7 @@ def _validate_keep_best(cfg: TrainConfig) -> None:
                            + ("saves none (checkpoint.save_checkpoint=false)" if not ckpt.save_checkpoint
                               else "evaluates only at its last step (eval.freq=0)"),
                            "eval.freq=<loop steps> with checkpoint.save_checkpoint=true, or checkpoint.keep_best=null")
-    metric = best_metric(cfg)
+    metric = cfg.best_metric()
     if metric is BestMetric.success_rate and cfg.eval.n_episodes == 0:
         raise config_error("checkpoint.best_metric", metric, "ranks by the success rate in simulation, and "
                            "eval.n_episodes=0 runs none", "eval.n_episodes=50, or checkpoint.best_metric=val_loss")
@@ -236,11 +236,3 @@ def _validate_keep_best(cfg: TrainConfig) -> None:
         raise config_error("checkpoint.best_metric", metric, "ranks by the validation loss, and no "
                            "dataset.val_episodes are held out", "dataset.val_episodes=<episodes or a count>, or "
                            "checkpoint.best_metric=success_rate with eval.n_episodes > 0")
-
-
-def best_metric(cfg: TrainConfig) -> BestMetric:
-    """The metric ``checkpoint.keep_best`` ranks by: ``checkpoint.best_metric``, else the success rate where the run
-    evaluates in simulation, else the validation loss."""
-    if cfg.checkpoint.best_metric is not None:
-        return BestMetric(cfg.checkpoint.best_metric)
-    return BestMetric.success_rate if cfg.eval.n_episodes > 0 else BestMetric.val_loss
