@@ -1,16 +1,22 @@
 """Where evaluations go: the ledger's eval records (kept or superseded at a resume like intervals), each run's best
 evaluation in lerobot-mg-compare's text and Markdown and the success and validation curves in its PNG; the split
-that holds episodes out of training."""
+that holds episodes out of training, and the validation loss that does not depend on how its batches are shared."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lerobot_mg.accounting.compare import compare_runs
 from lerobot_mg.accounting.ledger import EvalMetrics, EvalRecord, RunLedger, read_ledger
 from lerobot_mg.accounting.report import format_markdown, format_text, plot_learning_curves
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.data.split import split_episodes
+from lerobot_mg.evaluation import ValidationBatches, validation_loss
+from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.run_facts import Progress
 from tests.launch_utils import PUSHT_SLICE
 from tests.unit.test_compare import CONFIG_A, CONFIG_B, PNG_MAGIC, simulate_run
@@ -70,3 +76,26 @@ def test_the_split_holds_the_last_episodes_out_or_the_named_ones() -> None:
     assert (split.train, split.val) == ([1, 2], [0])
     split = split_episodes(meta, [0], [2, 1])  # dataset.episodes trains, as typed
     assert (split.train, split.val) == ([0], [1, 2])
+
+
+def test_the_validation_loss_is_the_same_number_for_any_number_of_ranks() -> None:
+    """The batches' sums, shared out over 1, 2 or 3 ranks (here, in one process) and combined, give one figure."""
+    torch.manual_seed(0)
+    config = ACTConfig(chunk_size=10, n_action_steps=10, dim_model=16, n_heads=2, dim_feedforward=32)
+    policy = ACTPolicy(config, {"observation.state": {"type": "STATE", "shape": [2]}},
+                       {"action": {"type": "ACTION", "shape": [2]}}).eval()
+    meta = DatasetMeta.read(PUSHT_SLICE)
+    val = LeRobotDataset(meta, delta_timestamps(config, meta.features, meta.fps), [2],
+                         keys=["observation.state", "action"])
+    batches = ValidationBatches(val, batch_size=16, seed=1000)
+    assert sum(len(b) for b in batches.batches) == len(val) and len(batches.batches[-1]) < 16
+
+    def combined(world_size: int) -> tuple[float, int]:
+        sums = {}
+        for rank in range(world_size):
+            sums.update(batches.loss_sums(policy, lambda batch: batch, torch.device("cpu"), rank, world_size))
+        return validation_loss(sums)
+
+    assert combined(1) == combined(2) == combined(3)
+    assert combined(1)[1] == len(val)
+    assert ValidationBatches(val, batch_size=16, seed=1000, num_batches=2).batches == batches.batches[:2]
