@@ -119,11 +119,12 @@ class ValidationBatches:
             return {}
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=[self.batches[b] for b in mine],
                                              num_workers=num_workers, generator=torch.Generator())
+        uint8_keys = self.dataset.visual_keys if self.dataset.uint8_visuals else ()  # scaled on the device
         sums = {}
         with torch.no_grad():
             for number, batch in zip(mine, loader):
                 batch = {**batch, SAMPLE_SEED_KEY: sample_seeds(self.seed, 0, batch["index"])}
-                loss, _ = policy(preprocessor(to_device(batch, device, self.dataset.visual_keys)))
+                loss, _ = policy(preprocessor(to_device(batch, device, uint8_keys)))
                 count = len(batch["index"])
                 sums[number] = (float(loss) * count, count)
         return sums
