@@ -47,10 +47,12 @@ from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
+from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.data.sampler import sample_seeds
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.ema import ModelEMA
 from lerobot_mg.peft.build import build_policy
-from lerobot_mg.policies.base import SAMPLE_SEED_KEY
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY, delta_timestamps
 from lerobot_mg.run_facts import Progress
 from lerobot_mg.sim.env import EPISODE_LENGTH
 from lerobot_mg.sim.evaluate import (
@@ -72,12 +74,16 @@ class EvaluationError(RuntimeError):
     """A rank's share of an evaluation failed; raised on every rank, naming the rank (and the episode's seed)."""
 
 
-def gather_full_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_weights(policy: nn.Module, ema: ModelEMA | None = None) -> dict[str, torch.Tensor]:
     """The policy's full state dict (every parameter and persistent buffer, under its module name) as new CPU
-    tensors, on every rank. Collective under FSDP/HSDP: one all-gather per sharded tensor, in state-dict order,
-    which is the same on every rank."""
+    tensors, on every rank; with ``ema``, its averages in place of the trainable parameters (frozen ones and buffers
+    are the model's, as in a checkpoint's pretrained_model_ema/). Collective under FSDP/HSDP: one all-gather per
+    sharded tensor, in state-dict order, which is the same on every rank."""
     gathered = {}
-    for name, value in get_model_state_dict(policy).items():
+    state = get_model_state_dict(policy)
+    if ema is not None:
+        state.update((name, average) for name, average in ema.shadow.items() if name in state)
+    for name, value in state.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         gathered[name] = full.detach().to("cpu", copy=True)
     return gathered
@@ -151,23 +157,23 @@ class RankShare:
 
 
 class Evaluator:
-    """Evaluates the training policy at the evaluation steps of ``cfg``: rollouts of ``eval.n_episodes`` and the loss
-    on ``val_episodes`` (read by ``reader``, as the training dataset is). ``record(progress, metrics, seconds)`` (the
+    """Evaluates the training policy (its EMA weights with ``ema``) at the evaluation steps of ``cfg``: rollouts of
+    ``eval.n_episodes`` and the loss on ``val_episodes`` of ``meta``'s dataset. ``record(progress, metrics, seconds)`` (the
     tracker) receives each result on every rank. ``final`` holds the last evaluation's report (eval_info.json)."""
 
     def __init__(self, cfg: TrainConfig, dims: ParallelDims, device: torch.device, policy: nn.Module,
-                 processors: tuple[Any, Any], features: dict[str, dict[str, Any]],
-                 reader: Callable[[list[int]], LeRobotDataset], val_episodes: list[int], output_dir: Path,
-                 record: Callable[[Progress, EvalMetrics, float], None],
-                 weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+                 processors: tuple[Any, Any], meta: DatasetMeta, val_episodes: list[int], output_dir: Path,
+                 record: Callable[[Progress, EvalMetrics, float], None], ema: ModelEMA | None = None) -> None:
         self.cfg, self.dims, self.device, self.policy, self.processors = cfg, dims, device, policy, processors
-        # What is evaluated: the training policy's gathered weights, or another full state dict of the same keys
-        # (e.g. EMA weights). Collective under FSDP/HSDP.
-        self.weights = weights or (lambda: gather_full_weights(policy))
-        self.features, self.output_dir, self.record = features, output_dir, record
+        self.features, self.output_dir, self.record = meta.features, output_dir, record
+        # The EMA weights where the run keeps them (ema.use_for_eval), else the trained ones.
+        self.ema = ema if cfg.ema.use_for_eval else None
         ev = cfg.eval
-        self.val = None if not val_episodes else ValidationBatches(
-            reader(val_episodes), ev.val_batch_size or cfg.batch_size, cfg.seed, ev.val_batches)
+        self.val = None
+        if val_episodes:  # read as the training dataset is: the policy's features, images as uint8
+            val = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), val_episodes,
+                                 keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
+            self.val = ValidationBatches(val, ev.val_batch_size or cfg.batch_size, cfg.seed, ev.val_batches)
         self.seeds = list(range(ev.seed_start, ev.seed_start + ev.n_episodes))
         self.final: dict[str, Any] | None = None
         if ev.freq > 0 and not self.seeds and self.val is None and dims.is_main_process:
@@ -186,7 +192,7 @@ class Evaluator:
         if stopping or not self.is_eval_step(progress.step):
             return None
         started = time.perf_counter()
-        weights = self.weights()  # collective under FSDP/HSDP
+        weights = gather_full_weights(self.policy, self.ema)  # collective under FSDP/HSDP
         step_dir = self.output_dir / EVAL_DIR / L.step_dir_name(progress.step)
         with own_generators(self.device):
             share = self._evaluate_share(weights, step_dir)

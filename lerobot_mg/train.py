@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +75,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
     policy = build_policy(cfg, meta.features)  # fresh, the base at policy.path, or that base under LoRA
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
-    reader = partial(LeRobotDataset, meta, delta_timestamps(cfg.policy, meta.features, meta.fps), uint8_visuals=True,
-                     keys=[*policy.input_features, *policy.output_features])
-    dataset = reader(checked.split.train)  # dataset.val_episodes held out
+    dataset = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), checked.split.train,
+                             keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
                                      cache_dir=dataset.cache_dir)
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's
@@ -125,8 +123,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
                       uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank), ema=ema)
     batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
-    evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta.features,
-                          reader, checked.split.val, output_dir, record=tracker.evaluated)
+    evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta,
+                          checked.split.val, output_dir, record=tracker.evaluated, ema=ema)
 
     while progress.step < cfg.steps:
         waited_from = time.perf_counter()

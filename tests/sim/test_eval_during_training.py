@@ -1,8 +1,8 @@
-"""Evaluation during training on every layout: DDP-2, FSDP-2 and HSDP-2x2 runs evaluate every 2 loop steps (3
-rollouts of 12 steps in simulation, spread over the ranks, and the loss of 3 validation batches on a held-out
-episode); each evaluation equals a one-process evaluation of the checkpoint saved at that step, the training weights
-are bit-identical to a run that never evaluates, keep_best keeps the right checkpoints, and a rollout that crashes on
-one rank fails the run at once, naming the rank and the episode's seed."""
+"""Evaluation during training on every layout: DDP-2, FSDP-2 and HSDP-2x2 runs with EMA weights evaluate them every
+2 loop steps (3 rollouts of 12 steps in simulation, spread over the ranks, and the loss of 3 validation batches on a
+held-out episode); each evaluation equals a one-process evaluation of the checkpoint saved at that step (its
+pretrained_model_ema/), the training weights are bit-identical to a run that never evaluates, keep_best keeps the
+right checkpoints, and a rollout that crashes on one rank fails the run at once, naming the rank and the seed."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ TINY = ["experiment=aloha_state", "logging.progress_bar=false", "logging.wandb.m
         "policy.dim_feedforward=64", "policy.n_encoder_layers=1", "policy.chunk_size=10", "policy.n_action_steps=5",
         "checkpoint.save_freq=2", f"seed={SEED}"]
 EVALUATING = ["eval.freq=2", "eval.n_episodes=3", f"eval.max_steps={MAX_STEPS}", "eval.n_video_episodes=0",
-              "dataset.val_episodes=1", f"eval.val_batches={VAL_BATCHES}", f"eval.val_batch_size={VAL_BATCH}"]
+              "dataset.val_episodes=1", f"eval.val_batches={VAL_BATCHES}", f"eval.val_batch_size={VAL_BATCH}",
+              "ema.enable=true"]  # evaluations roll out the EMA weights (ema.use_for_eval)
 LAYOUTS = {  # name -> (processes, overrides)
     "ddp": (2, ["steps=6", "checkpoint.keep_last=1", "checkpoint.keep_best=2", "checkpoint.best_metric=val_loss"]),
     "fsdp": (2, ["steps=4", "parallelism.dp_shard=2"]),
@@ -46,7 +47,7 @@ def _one_process_evaluation(step_dir: Path, root: Path) -> tuple[list[dict], flo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the runs (experiment=aloha_state: torch_threads=1)
     try:
-        controller = PolicyController.load(step_dir / "pretrained_model")
+        controller = PolicyController.load(step_dir / "pretrained_model_ema")  # what lerobot-mg-eval picks
         episodes, _ = rollout_episodes(controller, SEEDS, max_steps=MAX_STEPS)
         policy, meta = controller.policy, DatasetMeta.read(root)
         val = LeRobotDataset(meta, delta_timestamps(policy.config, meta.features, meta.fps), [2],
@@ -98,7 +99,7 @@ def test_evaluation_spread_over_the_ranks_equals_one_process(layout: str, state_
         assert best["val_loss"] == ranked[0].metrics.val_loss
     if layout == "fsdp":  # the same run without any evaluation trains on the same episodes: the same weights
         reference = tmp_path / "fsdp_without_eval"
-        run_train([*TINY, *overrides, "eval.freq=0", "eval.n_episodes=0", "dataset.episodes=[0,1]",
+        run_train([*TINY, *overrides, "eval.freq=0", "eval.n_episodes=0", "ema.enable=true", "dataset.episodes=[0,1]",
                    f"dataset.root={root}", f"output_dir={reference}"], nproc=nproc, timeout=400)
         assert not (reference / "eval").exists()
         for step in (2, 4):
@@ -119,5 +120,6 @@ def test_a_crashing_rollout_fails_the_run_naming_rank_and_seed(state_dataset: tu
                       f"dataset.root={root}", f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=300, check=False,
                      script=PROBE)
     assert proc.returncode != 0
-    assert "evaluation at loop step 2 failed: rank 1, episode seed 100001: RuntimeError('eval crash probe" in proc.stdout
+    failure = "evaluation at loop step 2 failed: rank 1, episode seed 100001: RuntimeError('eval crash probe"
+    assert failure in proc.stdout
     assert time.perf_counter() - started < 120 + 60, "a rank waited for the process group's timeout"
