@@ -24,6 +24,7 @@ from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
 from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_dataset
 from lerobot_mg.data.meta import DatasetMeta
+from lerobot_mg.data.split import EpisodeSplit, split_episodes
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
 from lerobot_mg.distributed.env_guard import check_accelerate_env
 from lerobot_mg.distributed.memory import (
@@ -41,6 +42,7 @@ from lerobot_mg.peft.base import check_policy_path, stored_dtype
 from lerobot_mg.peft.build import build_policy
 from lerobot_mg.peft.lora import check_peft_config
 from lerobot_mg.policies.base import features_from_dataset
+from lerobot_mg.sim.checks import check_sim_evaluation
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Preflight:
     dims: ParallelDims
     dataset: DatasetMeta  # meta/info.json and the episodes table, read once
     dataset_source: DatasetSource  # where it was found (dataset.root, LeRobot's cache, or downloaded)
+    split: EpisodeSplit  # the episodes that train and those held out for the validation loss
     resume: ResumePoint | None  # the checkpoint this start continues, or None for a new run
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
 
@@ -74,14 +77,15 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     if on_this_machine:  # the machine that trains pushes (a submitting host's environment may differ)
         check_publish(cfg, env)
     source = resolve_dataset(cfg.dataset, env)  # a Hub dataset: downloaded once per node if not cached
-    dataset = check_dataset(cfg, dims.dp_world_size, Path(source.root))
+    dataset, split = check_dataset(cfg, dims.dp_world_size, Path(source.root))
+    check_sim_evaluation(cfg, dataset.features)
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
     memory = plan_memory(cfg, dims, meta_policy(cfg, dataset))  # the wrap, checkpointing and compile units are chosen (and checked) here
     if on_this_machine and not cfg.plan:
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
     if cfg.plan:  # the printout says whether the plan fits
         memory = replace(memory, budget=plan_budget(cfg, memory, dims.local_rank))
-    return Preflight(dims, dataset, source, resume, memory)
+    return Preflight(dims, dataset, source, split, resume, memory)
 
 
 def planned_world_size(cfg: TrainConfig, launched: int) -> int:
@@ -168,15 +172,17 @@ def check_publish(cfg: TrainConfig, env: Mapping[str, str] | None) -> None:
                            "checkpoint.save_checkpoint=true, or policy.push_to_hub=false")
 
 
-def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> DatasetMeta:
-    """The dataset's metadata against the policy and the batch: the version, the features the policy reads, episode
-    lengths and the number of samples. Returns the metadata, read once."""
+def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[DatasetMeta, EpisodeSplit]:
+    """The dataset's metadata against the policy and the batch: the version, the features the policy reads, the
+    held-out episodes, the training episodes' lengths and the number of samples. Returns the metadata, read once,
+    and the split."""
     fix = ("generate it first: lerobot-mg-make-dataset (or make train does it)"
            if cfg.dataset.name == DatasetName.embedded
            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>")
     meta = DatasetMeta.read(root, fix)
     features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
-    lengths = meta.lengths(cfg.dataset.episodes)
+    split = split_episodes(meta, cfg.dataset.episodes, cfg.dataset.val_episodes)
+    lengths = meta.lengths(split.train)
     chunk = len(cfg.policy.action_delta_indices)
     shortest = min(lengths.values())
     if chunk > shortest:
@@ -202,7 +208,7 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> DatasetMe
             f"samples) is larger than the {num_samples} samples of dataset.root",
             f"batch_size={num_samples // dp_world_size}, or fewer processes",
         )
-    return meta
+    return meta, split
 
 
 def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:

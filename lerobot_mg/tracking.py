@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lerobot_mg.accounting.ledger import IntervalRecord, RunLedger, StartRecord, UpdateDigest
+from lerobot_mg.accounting.ledger import (
+    EvalMetrics,
+    EvalRecord,
+    IntervalRecord,
+    RunLedger,
+    StartRecord,
+    UpdateDigest,
+)
 from lerobot_mg.checkpoint.resume import ResumePoint
 from lerobot_mg.config.schema import LoggingConfig, TrackioConfig, TrainConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
@@ -93,6 +100,7 @@ class RunTracker:
                  run_config: dict[str, Any], trackio: TrackioConfig | None = None):
         self.log_freq, self.total_steps, self.facts, self.progress = log_freq, total_steps, facts, progress
         self.ledger = RunLedger(output_dir, dims.is_main_process)
+        self.is_main = dims.is_main_process
         self.ledger.write(StartRecord(time.time(), replace(progress), facts))
         # The run directory's one tracker run: a resume or a requeue continues it (distributed/trackers.py).
         self.trackers = Trackers(logging.wandb, trackio or TrackioConfig(), output_dir, dims.is_main_process,
@@ -155,6 +163,19 @@ class RunTracker:
         self.trackers.log(p.step, {**reduced, "samples_seen": p.samples_seen,
                                    "optimizer_updates": p.optimizer_updates, "skipped_updates": p.skipped_updates})
         self.last_metrics = reduced
+
+    def evaluated(self, progress: Progress, metrics: EvalMetrics, seconds: float) -> None:
+        """Record an evaluation of the weights at ``progress`` (every rank calls it; the main process writes): the
+        ledger's eval record, the trackers' ``eval/*`` metrics at that loop step, and one line on stdout. The
+        interval's samples/s and data wait share count training time only: the evaluation's seconds are left out."""
+        self.interval.start += seconds
+        self._interval_start += seconds
+        self.ledger.write(EvalRecord(time.time(), replace(progress), seconds, metrics))
+        self.trackers.log(progress.step, {**metrics.tracker_metrics(), "eval/seconds": seconds,
+                                          "samples_seen": progress.samples_seen,
+                                          "optimizer_updates": progress.optimizer_updates})
+        if self.is_main:
+            print(describe_eval(progress, metrics, seconds), flush=True)
 
     def checkpoint(self) -> None:
         """Before a checkpoint: end the interval here and make the ledger durable, so a resume from the
@@ -221,6 +242,18 @@ class ProgressDisplay:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def describe_eval(progress: Progress, metrics: EvalMetrics, seconds: float) -> str:
+    """An evaluation in one line: the counters of the weights it evaluated, and its figures."""
+    figures = []
+    if metrics.n_episodes:
+        figures.append(f"success rate {metrics.success_rate:.2f} ({metrics.num_successes}/{metrics.n_episodes}), "
+                       f"mean return {metrics.mean_return:.1f}, mean length {metrics.mean_episode_length:.1f}")
+    if metrics.val_loss is not None:
+        figures.append(f"val loss {metrics.val_loss:.4f} ({metrics.val_samples} samples)")
+    return (f"eval at loop step {progress.step} ({progress.samples_seen} samples, {progress.optimizer_updates} "
+            f"updates): {'; '.join(figures)} ({seconds:.1f} s)")
 
 
 def log_resume(resume: ResumePoint, facts: RunFacts, position: str) -> None:

@@ -23,6 +23,7 @@ from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
 from lerobot_mg.drills import fault_drill
+from lerobot_mg.evaluation import Evaluator
 from lerobot_mg.launch.hub import publish_policy
 from lerobot_mg.launch.placement import record_placement
 from lerobot_mg.launch.preemption import PreemptionWatch, resume_command
@@ -49,14 +50,14 @@ class TrainResult:
     progress: Progress | None = None
     final_loss: float | None = None
     rank_bytes: list[dict[str, Any]] | None = None  # what each rank held for training, in rank order
-    eval: dict[str, Any] | None = None  # the end-of-run evaluation in simulation, when eval.n_episodes > 0
+    eval: dict[str, Any] | None = None  # the last evaluation (eval_info.json: simulation, validation loss)
 
 
 @releases_run_state  # a local sweep calls train() once per point in one process: each call cleans up after itself
 def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: SweepJob | None = None) -> TrainResult:
     checked = preflight(cfg, *launch_world())  # every start-up check, before any process group
     dims, resume, meta = checked.dims, checked.resume, checked.dataset
-    if cfg.torch_threads is not None:  # before any model exists; the sim evaluation at the end runs under it too
+    if cfg.torch_threads is not None:  # before any model exists; evaluation runs under it too
         torch.set_num_threads(cfg.torch_threads)
     if cfg.plan:
         if dims.is_main_process:
@@ -74,7 +75,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
     policy = build_policy(cfg, meta.features)  # fresh, the base at policy.path, or that base under LoRA
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
-    dataset = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), cfg.dataset.episodes,
+    dataset = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), checked.split.train,
                              keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
                                      cache_dir=dataset.cache_dir)
@@ -90,7 +91,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     ema = make_ema(policy, cfg.ema)  # ema.enable: after sharding, so each rank averages its own shards
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy), async_save=cfg.checkpoint.async_save,
-                                    group_timeout=group_timeout, ema=ema)  # collective when async_save
+                                    group_timeout=group_timeout, ema=ema,  # collective when async_save
+                                    keep_best=cfg.checkpoint.keep_best, best_metric=cfg.best_metric())
     facts = RunFacts.collect(  # once per start
         cfg, dims, dataset_fingerprint=dataset.fingerprint(), model=describe_finetune(cfg, policy),
         lr_schedule=describe_schedule(cfg.optimizer, cfg.scheduler, cfg.steps),
@@ -121,6 +123,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
                       uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank), ema=ema)
     batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
+    evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta,
+                          checked.split.val, output_dir, record=tracker.evaluated, ema=ema)
 
     while progress.step < cfg.steps:
         waited_from = time.perf_counter()
@@ -130,11 +134,12 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         tracker.step_done(stepper.step(batch), batch["index"], data_wait_s)  # collective on log steps
         checkpoints.poll()  # a background save whose files are all written becomes `last`
         stop = progress.step < cfg.steps and preemption.agreed(progress.step)  # collective
-        if saving := cfg.checkpoint.is_save_step(progress.step, cfg.steps, stop):
+        evaluated = evaluator.after_step(progress, stopping=stop)  # collective on evaluation steps
+        if saving := cfg.checkpoint.is_save_step(progress.step, cfg.steps, stop, evaluated is not None):
             tracker.checkpoint()  # collective: the ledger is on disk up to every checkpoint
             # A stopping run's save must be on disk before it exits or requeues.
             checkpoints.save(progress.step, model, optimizer, save_items,  # collective
-                             training_step(progress, sampler.state_dict(), facts), blocking=stop)
+                             training_step(progress, sampler.state_dict(), facts), blocking=stop, evaluation=evaluated)
         if stop:
             tracker.close()
             checkpoints.close()
@@ -148,12 +153,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     if dims.is_main_process:
         write_json(output_dir / "rank_bytes.json", rank_bytes)
     accelerator.wait_for_everyone()
-    evaluation = None
-    if cfg.eval.n_episodes > 0 and dims.is_main_process:  # after the last collective: other ranks may exit
-        # The `sim` extra (mujoco, gym-aloha) is imported only by runs that evaluate.
-        from lerobot_mg.sim.evaluate import evaluate_run
-
-        evaluation = evaluate_run(output_dir, cfg)
     if cfg.policy.publishes and dims.is_main_process:  # policy.repo_id: the complete last checkpoint, with a card
-        publish_policy(cfg, output_dir, facts, progress, tracker.last_metrics["loss"], evaluation)
-    return TrainResult(checked.memory, output_dir, progress, tracker.last_metrics["loss"], rank_bytes, evaluation)
+        publish_policy(cfg, output_dir, facts, progress, tracker.last_metrics["loss"], evaluator.final)
+    return TrainResult(checked.memory, output_dir, progress, tracker.last_metrics["loss"], rank_bytes, evaluator.final)

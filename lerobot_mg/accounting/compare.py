@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from lerobot_mg.accounting.evals import RunEvals, run_evals
 from lerobot_mg.accounting.ledger import RunRecord, StartRecord, UpdateDigest
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation
 from lerobot_mg.errors import ConfigError
@@ -155,6 +156,7 @@ class Comparison:
     differences: tuple[str, ...]
     conditions: dict[str, tuple[StartConditions, ...]]
     cross_run_flags: tuple[str, ...]
+    evals: dict[str, RunEvals]  # each run's best evaluations (label -> its evals)
 
 
 def run_labels(records: Sequence[RunRecord]) -> list[str]:
@@ -281,6 +283,7 @@ def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERA
         conditions={label: start_conditions(record) for record, label in zip(records, labels)},
         cross_run_flags=tuple(f"{name} differs between runs: {listing(values)}"
                               for name, values in cross_run if not _same(values)),
+        evals={label: run_evals(record) for record, label in zip(records, labels)},
     )
 
 

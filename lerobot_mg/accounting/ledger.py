@@ -1,6 +1,7 @@
 """The run ledger, the run's one time series: ``<run>/ledger.jsonl``, one ``{"kind": ..., **asdict(record)}`` line
 per process start (``StartRecord``), per logged interval (``IntervalRecord``: every ``log_freq`` loop steps, each
-checkpoint and the last step) and per stop on a signal (``StopRecord``: Ctrl-C, SIGTERM, preemption). Lines are flushed as written and fsynced at checkpoints and at close: a crash loses at
+checkpoint and the last step), per evaluation (``EvalRecord``: every ``eval.freq`` loop steps and the last step)
+and per stop on a signal (``StopRecord``: Ctrl-C, SIGTERM, preemption). Lines are flushed as written and fsynced at checkpoints and at close: a crash loses at
 most the lines since the last checkpoint, which the resume from it writes again. A resumed run appends; its records
 replace earlier attempts' past its resume step.
 """
@@ -52,6 +53,38 @@ class IntervalRecord:
 
 
 @dataclass(frozen=True)
+class EvalMetrics:
+    """One evaluation, reduced over every rank: the rollouts in simulation (None where eval.n_episodes=0) and the
+    loss on the held-out episodes (None without dataset.val_episodes)."""
+
+    n_episodes: int = 0
+    num_successes: int | None = None
+    success_rate: float | None = None
+    mean_return: float | None = None
+    mean_episode_length: float | None = None  # simulation steps; a success ends its episode early
+    val_loss: float | None = None  # sum of the batches' losses x samples, over the samples
+    val_samples: int = 0
+
+    def value(self, metric: str) -> float | None:
+        """``success_rate`` or ``val_loss`` (checkpoint.best_metric)."""
+        return getattr(self, metric)
+
+    def tracker_metrics(self) -> dict[str, float]:
+        """What wandb and trackio get, under ``eval/``: every figure this evaluation has."""
+        return {f"eval/{key}": float(value) for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    time: float
+    progress: Progress  # the counters of the evaluated weights: loop step, samples seen, optimizer updates
+    seconds: float  # the evaluation's wall time (the slowest rank's)
+    metrics: EvalMetrics
+
+    kind = "eval"
+
+
+@dataclass(frozen=True)
 class StopRecord:
     """The run stopped on a signal, after the checkpoint of ``progress.step`` (lerobot_mg.launch.preemption)."""
 
@@ -78,7 +111,7 @@ class RunLedger:
                 self._file.write(b"\n")  # a crash left a torn line: the next record starts a line of its own
             self.sync()  # a new file's directory entry, too
 
-    def write(self, record: StartRecord | IntervalRecord | StopRecord) -> None:
+    def write(self, record: StartRecord | IntervalRecord | EvalRecord | StopRecord) -> None:
         if self._file is not None:
             kind = "interval" if isinstance(record, IntervalRecord) else record.kind
             self._file.write(json.dumps({"kind": kind, **asdict(record)}).encode() + b"\n")
@@ -109,6 +142,7 @@ class Segment:
     start: StartRecord
     intervals: tuple[IntervalRecord, ...]
     stop: StopRecord | None = None  # the segment ended on a signal
+    evals: tuple[EvalRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +165,7 @@ class RunRecord:
         for segment in reversed(self.segments):
             if segment.start.progress.step < cutoff:
                 kept.append(Segment(segment.start, tuple(r for r in segment.intervals if r.progress.step <= cutoff),
-                                    segment.stop))
+                                    segment.stop, tuple(r for r in segment.evals if r.progress.step <= cutoff)))
             cutoff = min(cutoff, segment.start.progress.step)
         return tuple(reversed(kept))
 
@@ -142,6 +176,10 @@ class RunRecord:
     @property
     def intervals(self) -> tuple[IntervalRecord, ...]:
         return tuple(r for segment in self.effective_segments for r in segment.intervals)
+
+    @property
+    def evals(self) -> tuple[EvalRecord, ...]:
+        return tuple(r for segment in self.effective_segments for r in segment.evals)
 
     @property
     def updates(self) -> tuple[UpdateDigest, ...]:
@@ -166,18 +204,20 @@ def read_ledger(run_dir: Path) -> RunRecord:
                          "Fix: pass the directory that holds checkpoints/ and train_config.json")
     lines = [(number, _parse(line)) for number, line in enumerate(path.read_text("utf-8").splitlines(), 1)
              if line.strip()]
-    attempts: list[tuple[StartRecord, list[IntervalRecord], list[StopRecord]]] = []
+    attempts: list[tuple[StartRecord, list[IntervalRecord], list[StopRecord], list[EvalRecord]]] = []
     for position, (number, record) in enumerate(lines):
         kind = record.pop("kind", None) if record is not None else None
         try:
             if kind in ("start", "resume"):
-                attempts.append((from_dict(StartRecord, record), [], []))
+                attempts.append((from_dict(StartRecord, record), [], [], []))
             elif kind == "interval" and attempts:
                 attempts[-1][1].append(from_dict(IntervalRecord, record))
             elif kind == "stop" and attempts:
                 attempts[-1][2].append(from_dict(StopRecord, record))
+            elif kind == "eval" and attempts:
+                attempts[-1][3].append(from_dict(EvalRecord, record))
             elif record is not None:
-                raise ConfigError(f"{path}:{number}: expected a start, resume, interval or stop record after a start "
+                raise ConfigError(f"{path}:{number}: expected a start, resume, interval, eval or stop record after a start "
                                  f"record, got kind {kind!r}. Fix: restore the ledger, or compare another run")
             elif position + 1 < len(lines) and (lines[position + 1][1] or {}).get("kind") not in ("start", "resume"):
                 raise ConfigError(f"{path}:{number}: unreadable line in the middle of a run segment; only a crash's "
@@ -188,8 +228,8 @@ def read_ledger(run_dir: Path) -> RunRecord:
     if not attempts:
         raise ConfigError(f"{path}: holds no start record, the run never started training. Fix: compare a run "
                           "that trained")
-    return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals), stops[-1] if stops else None)
-                                          for start, intervals, stops in attempts))
+    return RunRecord(Path(run_dir), tuple(Segment(start, tuple(intervals), stops[-1] if stops else None, tuple(evals))
+                                          for start, intervals, stops, evals in attempts))
 
 
 def _parse(line: str) -> dict[str, Any] | None:

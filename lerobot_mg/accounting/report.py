@@ -1,6 +1,7 @@
 """A run comparison as a console table, Markdown, learning-curve PNG or JSON (``lerobot-mg-compare``). The curves
-are drawn against loop steps, sample presentations and optimizer updates, because a curve that leads on one axis can
-trail on another (docs/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason."""
+(the training loss, and where the runs evaluated, the success rate in simulation and the validation loss) are drawn
+against loop steps, sample presentations and optimizer updates, because a curve that leads on one axis can trail on
+another (docs/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def resume_check_lines(check: ResumeCheck) -> list[str]:
     return [f"resume check: {check.resumed} against reference {check.reference}: {verdict}", *details]
 
 
+def eval_lines(comparison: Comparison) -> list[str]:
+    """Each run's best evaluations, where any run evaluated."""
+    if not any(evals.count for evals in comparison.evals.values()):
+        return []
+    return [f"{label}: {line}" for label, evals in comparison.evals.items() for line in evals.describe()]
+
+
 def format_text(comparison: Comparison, check: ResumeCheck | None) -> str:
     rows = [("quantity", *(run.label for run in comparison.runs)),
             *((name, *cells) for name, cells in comparison.table)]
@@ -82,6 +90,8 @@ def format_text(comparison: Comparison, check: ResumeCheck | None) -> str:
     out = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     out.insert(1, "-+-".join("-" * width for width in widths))
     out += ["", *held_fixed_lines(comparison), *(f"  {d}" for d in comparison.differences)]
+    if evals := eval_lines(comparison):
+        out += ["", "best evaluations:", *(f"  {line}" for line in evals)]
     out += ["", "resume conditions:", *condition_lines(comparison)]
     return "\n".join(out + (["", *resume_check_lines(check)] if check is not None else [])) + "\n"
 
@@ -102,6 +112,8 @@ def format_markdown(comparison: Comparison, check: ResumeCheck | None, plot_name
     out += ["", "</td></tr></table>", "", "`~` marks a count derived from the batch arithmetic (no interval ended "
             "at that step).", "", "## What was held fixed", ""]
     out += [f"- {text}" for text in [*held_fixed_lines(comparison), *comparison.differences]]
+    if evals := eval_lines(comparison):
+        out += ["", "## Best evaluations", "", *(f"- {line}" for line in evals)]
     out += ["", "## Resume conditions", "", "```", *condition_lines(comparison), "```", ""]
     if check is not None:
         headline, *details = resume_check_lines(check)
@@ -110,24 +122,33 @@ def format_markdown(comparison: Comparison, check: ResumeCheck | None, plot_name
 
 
 def plot_learning_curves(records: Sequence[RunRecord], path: Path) -> Path:
-    """A PNG of each run's loss against loop steps, sample presentations and optimizer updates; dotted lines mark
-    resumes. Draws on the Agg canvas directly, so no global matplotlib backend is touched."""
-    figure = Figure(figsize=(16, 5.2), dpi=100, layout="constrained")
+    """A PNG of each run's loss against loop steps, sample presentations and optimizer updates, with a row for the
+    success rate and one for the validation loss where a run evaluated; dotted lines mark resumes. Draws on the Agg
+    canvas directly, so no global matplotlib backend is touched."""
+    rows = [("loss (mean over ranks)", None)] + [
+        (title, metric) for title, metric in (("success rate", "success_rate"), ("validation loss", "val_loss"))
+        if any(getattr(e.metrics, metric) is not None for record in records for e in record.evals)]
+    figure = Figure(figsize=(16, 1.2 + 4 * len(rows)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, len(_CURVE_AXES))
+    grid = figure.subplots(len(rows), len(_CURVE_AXES), squeeze=False)
     for record, label in zip(records, run_labels(records)):
         shapes = dict.fromkeys(f"{a.batch_size}x{a.dp_world_size}x{a.grad_accum_steps} = {a.effective_batch_size}"
                                for a in (segment.start.facts.batch for segment in record.effective_segments))
         legend = f"{label}: microbatch x workers x accumulation = effective batch: {' -> '.join(shapes)}"
-        for ax, (attribute, _) in zip(axes, _CURVE_AXES):
-            xs = [getattr(interval.progress, attribute) for interval in record.intervals]
-            line = ax.plot(xs, [interval.metrics["loss"] for interval in record.intervals], marker=".", label=legend)
-            for segment in record.effective_segments[1:]:
-                ax.axvline(getattr(segment.start.progress, attribute), color=line[0].get_color(), linestyle=":")
-    for ax, (_, title) in zip(axes, _CURVE_AXES):
-        ax.set(xlabel=title, ylabel="loss (mean over ranks)", title=f"loss vs {title}")
-        ax.grid(alpha=0.3)
-    figure.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", fontsize="small")
+        for axes, (_, metric) in zip(grid, rows):
+            points = ([(interval.progress, interval.metrics["loss"]) for interval in record.intervals] if metric is None
+                      else [(e.progress, getattr(e.metrics, metric)) for e in record.evals
+                            if getattr(e.metrics, metric) is not None])
+            for ax, (attribute, _) in zip(axes, _CURVE_AXES):
+                line = ax.plot([getattr(p, attribute) for p, _ in points], [value for _, value in points],
+                               marker=".", label=legend)
+                for segment in record.effective_segments[1:]:
+                    ax.axvline(getattr(segment.start.progress, attribute), color=line[0].get_color(), linestyle=":")
+    for axes, (ylabel, _) in zip(grid, rows):
+        for ax, (_, title) in zip(axes, _CURVE_AXES):
+            ax.set(xlabel=title, ylabel=ylabel, title=f"{ylabel.split(' (')[0]} vs {title}")
+            ax.grid(alpha=0.3)
+    figure.legend(*grid[0][0].get_legend_handles_labels(), loc="outside lower center", fontsize="small")
     figure.suptitle("Same runs, three x axes (dotted lines: resumes)")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

@@ -8,8 +8,9 @@ checkpoints/005000/pretrained_model/{config.json, train_config.json, model.safet
 checkpoints/005000/pretrained_model_ema/{the same files, with the averaged weights}      (ema.enable=true)
 checkpoints/005000/training_state/{optimizer_param_groups.json, optimizer_state.safetensors | optimizer_0/,
                                    rng_state.safetensors, scheduler_state.json, scaler_state.json,
-                                   ema_state.json, training_step.json}
+                                   ema_state.json, training_step.json, eval_metrics.json (with keep_best)}
 checkpoints/last -> 005000
+checkpoints/best -> 004000   (checkpoint.keep_best: the best evaluated checkpoint)
 ```
 A step directory only ever appears complete: it is written as ``.tmp-005000`` and renamed once
 ``training_step.json`` (written last) is on disk; ``last`` moves after that.
@@ -23,6 +24,7 @@ from lerobot_mg.errors import ConfigError
 
 CHECKPOINTS_DIR = "checkpoints"
 LAST_LINK = "last"
+BEST_LINK = "best"
 PRETRAINED_MODEL_DIR = "pretrained_model"
 PRETRAINED_MODEL_EMA_DIR = "pretrained_model_ema"  # LeRobot's name for the EMA weights (ema.enable=true)
 TRAINING_STATE_DIR = "training_state"
@@ -42,6 +44,7 @@ SCHEDULER_STATE = "scheduler_state.json"
 SCALER_STATE = "scaler_state.json"
 EMA_STATE = "ema_state.json"  # the EMA's update count and last decay
 TRAINING_STEP = "training_step.json"
+EVAL_METRICS = "eval_metrics.json"  # the evaluation of the checkpoint's weights at its step (checkpoint.keep_best)
 
 
 def step_dir_name(step: int) -> str:

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -43,7 +43,7 @@ from lerobot_mg.checkpoint.state import (
     unpack_rank_states,
     write_json,
 )
-from lerobot_mg.config.choices import CheckpointFormat
+from lerobot_mg.config.choices import BestMetric, CheckpointFormat
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.ema import ModelEMA
 
@@ -93,6 +93,7 @@ class _InFlight:
     blocked_s: float  # how long save() held the training loop
     staged_bytes: int  # host memory the staged copy holds until the write finished (0 when synchronous)
     future: Future[None] | None  # None: written synchronously
+    evaluation: dict[str, Any] | None = None  # the step's evaluation (eval_metrics.json), with keep_best
 
 
 class CheckpointManager:
@@ -106,13 +107,18 @@ class CheckpointManager:
     process checks at :meth:`poll` (every step), before the next save (at most one is in flight) and at
     :meth:`wait` (end of training, preemption). Constructing the manager is collective when ``async_save`` is
     set in a distributed run (it creates that group).
+
+    ``keep_best=K`` (with ``best_metric``): a save given its step's evaluation writes it as eval_metrics.json; pruning
+    spares the K evaluated checkpoints with the best metric (ties: the later step), and ``best`` names the best one,
+    moved atomically like ``last``. A resumed run ranks the checkpoints it finds by their own files.
     """
 
     def __init__(self, output_dir: Path, checkpoint_format: CheckpointFormat | str, keep_last: int | None,
                  dims: ParallelDims, adapter: AdapterFiles | None = None, async_save: bool = False,
-                 group_timeout: timedelta | None = None, ema: ModelEMA | None = None):
+                 group_timeout: timedelta | None = None, ema: ModelEMA | None = None,
+                 keep_best: int | None = None, best_metric: BestMetric = BestMetric.success_rate):
         self.root = L.checkpoints_root(output_dir)
-        self.keep_last = keep_last
+        self.keep_last, self.keep_best, self.best_metric = keep_last, keep_best, BestMetric(best_metric)
         self.dims = dims
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if async_save else None
         # Staging buffers are reused from one save to the next: one copy of the state, not one per save.
@@ -143,10 +149,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, items: SaveItems,
-             training_step: dict[str, Any], blocking: bool = False) -> None:
+             training_step: dict[str, Any], blocking: bool = False, evaluation: Any = None) -> None:
         """Write checkpoint ``step`` (``training_step``: its training_step.json, from
         :func:`~lerobot_mg.checkpoint.resume.training_step`); ``last`` moves to it once complete (at once when
-        synchronous or ``blocking``, else once the background write finished). Collective: every rank calls it."""
+        synchronous or ``blocking``, else once the background write finished). ``evaluation``: the evaluation of
+        these weights (a dataclass, e.g. ``EvalMetrics``), which keep_best ranks. Collective: every rank calls it."""
         self.wait()  # at most one save in flight
         started = time.perf_counter()
         dims, main = self.dims, self.dims.is_main_process
@@ -172,7 +179,8 @@ class CheckpointManager:
                     staged_bytes += tensor_bytes(item.state)
         writes = [partial(item.write, item.state) for item in large]
 
-        in_flight = _InFlight(step, tmp, training_step, started, 0.0, staged_bytes, None)
+        in_flight = _InFlight(step, tmp, training_step, started, 0.0, staged_bytes, None,
+                              None if evaluation is None or self.keep_best is None else asdict(evaluation))
         if self._writer is None:
             self._write(writes, tmp)
         else:
@@ -252,6 +260,8 @@ class CheckpointManager:
         """Main process: mark the checkpoint complete, move ``last`` to it, prune, and log what it cost."""
         name, tmp = L.step_dir_name(in_flight.step), in_flight.tmp
         training_state = tmp / L.TRAINING_STATE_DIR
+        if in_flight.evaluation is not None:
+            write_json(training_state / L.EVAL_METRICS, in_flight.evaluation)
         write_training_step(training_state, in_flight.training_step)  # the completion marker, last
         fsync_dir(training_state)
         num_bytes = tree_bytes(tmp)
@@ -263,26 +273,47 @@ class CheckpointManager:
             replaced = self.root / f"{L.TMP_PREFIX}replaced-{name}"
             os.replace(final, replaced)
         os.replace(tmp, final)
-        link_tmp = self.root / f"{L.TMP_PREFIX}{L.LAST_LINK}"
-        if link_tmp.is_symlink() or link_tmp.exists():
-            link_tmp.unlink()
-        link_tmp.symlink_to(name)
-        os.replace(link_tmp, self.root / L.LAST_LINK)
+        self._point(L.LAST_LINK, name)
+        best = self._best()
+        if best:
+            self._point(L.BEST_LINK, best[0])
         fsync_dir(self.root)
         if replaced is not None:
             shutil.rmtree(replaced)
-        self._prune(keep=name)
+        self._prune(keep={name, *best})
         seconds = time.perf_counter() - in_flight.started
         how = (f"training blocked {in_flight.blocked_s:.2f} s, {in_flight.staged_bytes / 2**20:.1f} MiB staged in host "
                "memory" if in_flight.future is not None else "synchronous")
         logger.info("Checkpoint %s: %.2f MiB written in %.2f s (%s).", final, num_bytes / 2**20, seconds, how)
 
-    def _prune(self, keep: str) -> None:
+    def _point(self, link: str, name: str) -> None:
+        """``link`` names step directory ``name``: a new symlink renamed over the old one (atomic)."""
+        link_tmp = self.root / f"{L.TMP_PREFIX}{link}"
+        if link_tmp.is_symlink() or link_tmp.exists():
+            link_tmp.unlink()
+        link_tmp.symlink_to(name)
+        os.replace(link_tmp, self.root / link)
+
+    def _best(self) -> list[str]:
+        """The names of the ``keep_best`` evaluated checkpoints with the best metric, best first (ties: the later
+        step first); empty without keep_best."""
+        if self.keep_best is None:
+            return []
+        ranked = []
+        for step_dir in L.complete_step_dirs(self.root.parent):
+            metrics = step_dir / L.TRAINING_STATE_DIR / L.EVAL_METRICS
+            value = read_json(metrics).get(self.best_metric.value) if metrics.is_file() else None
+            if value is not None:
+                ranked.append((value if self.best_metric.higher_is_better else -value, int(step_dir.name), step_dir.name))
+        return [name for *_, name in sorted(ranked, reverse=True)[:self.keep_best]]
+
+    def _prune(self, keep: set[str]) -> None:
+        """Delete all but the ``keep_last`` newest checkpoints and ``keep`` (the new one, the best ones)."""
         if self.keep_last is None:
             return
         steps = L.complete_step_dirs(self.root.parent)
         for old in steps[: max(0, len(steps) - self.keep_last)]:
-            if old.name != keep:
+            if old.name not in keep:
                 shutil.rmtree(old)
 
     # ------------------------------------------------------------------------------------------- load ----

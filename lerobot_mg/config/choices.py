@@ -53,6 +53,18 @@ class CheckpointFormat(Choice):
         return self is not CheckpointFormat.safetensors
 
 
+class BestMetric(Choice):
+    """What ``checkpoint.keep_best`` ranks checkpoints by: the success rate in simulation (higher is better) or the
+    loss on ``dataset.val_episodes`` (lower is better)."""
+
+    success_rate = "success_rate"
+    val_loss = "val_loss"
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self is BestMetric.success_rate
+
+
 class TorchDtype(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"

@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 
 from lerobot_mg.config.act import ACTConfig
 from lerobot_mg.config.choices import (
+    BestMetric,
     CheckpointFormat,
     DatasetName,
     MixedPrecision,
@@ -124,10 +125,18 @@ class CheckpointConfig:
     # Stage model + optimizer in host memory (one extra copy) and write them in a background thread while
     # training continues; `last` moves once the write finished. Every format.
     async_save: bool = False
+    # Also keep the K checkpoints with the best evaluation (by best_metric), and point a `best` link at the best
+    # one; with keep_best every evaluation step saves a checkpoint. null: no ranking.
+    keep_best: int | None = None
+    # success_rate (in simulation, higher is better) or val_loss (on dataset.val_episodes, lower is better);
+    # null: success_rate where eval.n_episodes > 0, else val_loss.
+    best_metric: BestMetric | None = None
 
-    def is_save_step(self, step: int, steps: int, preempted: bool) -> bool:
-        """Every ``save_freq`` loop steps, at the last one and on preemption (all on optimizer-update boundaries)."""
-        return self.save_checkpoint and (preempted or step % self.save_freq == 0 or step == steps)
+    def is_save_step(self, step: int, steps: int, preempted: bool, evaluated: bool = False) -> bool:
+        """Every ``save_freq`` loop steps, at the last one, on preemption and, with ``keep_best``, at every step that
+        was ``evaluated`` (all on optimizer-update boundaries)."""
+        return self.save_checkpoint and (preempted or step % self.save_freq == 0 or step == steps
+                                         or (evaluated and self.keep_best is not None))
 
 
 @dataclass
@@ -147,6 +156,9 @@ class DatasetConfig:
     # LeRobot's training rule: each camera is normalised with ImageNet's mean/std instead of the dataset's (what
     # pretrained vision backbones expect; LeRobot applies it to every backbone, and so do its checkpoints' files).
     use_imagenet_stats: bool = True
+    # Held-out episodes, never trained on; their loss is evaluated every eval.freq steps (lerobot_mg.data.split):
+    # a list of episode indices, or a count N (the dataset's last N episodes). null: no validation split.
+    val_episodes: Any = None
 
     def from_repo(self, root_typed: bool) -> DatasetConfig:
         """This group with ``repo_id`` in charge: a root the user did not type (the embedded preset's cache
@@ -249,11 +261,17 @@ class TrackioConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation in simulation at the end of training (main process; needs the `sim` extra)."""
+    """Evaluation during training, every ``freq`` loop steps and at the last one, on every rank of every layout:
+    ``n_episodes`` rollouts in the ALOHA transfer-cube simulation (the `sim` extra), spread over the ranks, and the
+    loss on ``dataset.val_episodes``, split over the ranks (lerobot_mg.evaluation)."""
 
+    freq: int = 0  # loop steps between evaluations (a multiple of the accumulation steps); 0: the last step only
     n_episodes: int = 0
     seed_start: int = 100_000  # held-out seeds, disjoint from the embedded dataset's
-    n_video_episodes: int = 0
+    n_video_episodes: int = 0  # mp4s of the first episodes of each evaluation, under <run>/eval/<step>/videos
+    max_steps: int | None = None  # steps per rollout; null: the task's episode length (400)
+    val_batches: int | None = None  # batches of the validation loss; null: all of dataset.val_episodes
+    val_batch_size: int | None = None  # samples per validation batch; null: batch_size
 
 
 @dataclass
@@ -292,6 +310,13 @@ class TrainConfig:
     # With plan=true: the memory of one rank's device, in GiB, to check the plan's fit against (None: this
     # machine's GPU, or its host RAM for a CPU run).
     plan_device_memory_gib: float | None = None
+
+    def best_metric(self) -> BestMetric:
+        """The metric ``checkpoint.keep_best`` ranks by: ``checkpoint.best_metric``, else the success rate where the
+        run evaluates in simulation, else the validation loss."""
+        if self.checkpoint.best_metric is not None:
+            return BestMetric(self.checkpoint.best_metric)
+        return BestMetric.success_rate if self.eval.n_episodes > 0 else BestMetric.val_loss
 
 
 def register_configs() -> None:

@@ -9,7 +9,7 @@ the dotted key, the bad value and the override that fixes it.
 
 from __future__ import annotations
 
-from lerobot_mg.config.choices import CheckpointFormat, DatasetName, MixedPrecision, SchedulerType
+from lerobot_mg.config.choices import BestMetric, CheckpointFormat, MixedPrecision, SchedulerType
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.errors import config_error
 
@@ -30,6 +30,7 @@ def validate(cfg: TrainConfig, sharded: bool) -> None:
     _validate_checkpoint(cfg, sharded)
     _validate_data_and_optim(cfg)
     _validate_ema(cfg)
+    _validate_eval(cfg)
     cfg.policy.validate()
 
 
@@ -162,22 +163,6 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
     if not 0.0 <= sched.min_lr_ratio <= 1.0:
         raise config_error("scheduler.min_lr_ratio", sched.min_lr_ratio, "must be in [0, 1]", "scheduler.min_lr_ratio=0")
-    if cfg.eval.n_episodes < 0:
-        raise config_error("eval.n_episodes", cfg.eval.n_episodes, "must be >= 0", "eval.n_episodes=0")
-    if cfg.eval.n_video_episodes < 0:
-        raise config_error("eval.n_video_episodes", cfg.eval.n_video_episodes, "must be >= 0", "eval.n_video_episodes=0")
-    if cfg.eval.n_episodes > 0 and (not cfg.checkpoint.save_checkpoint or cfg.checkpoint.format == CheckpointFormat.dcp):
-        raise config_error(
-            "eval.n_episodes", cfg.eval.n_episodes,
-            "evaluation loads the last checkpoint's model.safetensors, which this run does not write",
-            "checkpoint.save_checkpoint=true with checkpoint.format=safetensors or safetensors_dcp, or eval.n_episodes=0",
-        )
-    if cfg.eval.n_episodes > 0 and cfg.dataset.name != DatasetName.embedded:
-        raise config_error(
-            "eval.n_episodes", cfg.eval.n_episodes,
-            "evaluation runs the ALOHA transfer-cube simulation, which only matches the embedded dataset",
-            "eval.n_episodes=0, or dataset=embedded",
-        )
 
 
 def _validate_ema(cfg: TrainConfig) -> None:
@@ -194,3 +179,60 @@ def _validate_ema(cfg: TrainConfig) -> None:
                            "ema.min_decay=0.0")
     if ema.update_after_step < 0:
         raise config_error("ema.update_after_step", ema.update_after_step, "must be >= 0", "ema.update_after_step=0")
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    """``eval.*``, ``dataset.val_episodes`` and ``checkpoint.keep_best``/``best_metric`` against each other. What
+    needs the dataset (the episodes the split names, the simulation's task) is checked in preflight."""
+    ev, val = cfg.eval, cfg.dataset.val_episodes
+    for key in ("n_episodes", "n_video_episodes", "freq"):
+        if getattr(ev, key) < 0:
+            raise config_error(f"eval.{key}", getattr(ev, key), "must be >= 0", f"eval.{key}=0")
+    for key in ("max_steps", "val_batches", "val_batch_size"):
+        if getattr(ev, key) is not None and getattr(ev, key) < 1:
+            raise config_error(f"eval.{key}", getattr(ev, key), "must be >= 1 (or null)", f"eval.{key}=null")
+    if val is not None and not (
+        (isinstance(val, int) and not isinstance(val, bool) and val >= 1)
+        or (isinstance(val, list) and val and all(isinstance(e, int) and not isinstance(e, bool) for e in val))
+    ):
+        raise config_error("dataset.val_episodes", val, "must be a non-empty list of episode indices, or a count "
+                           ">= 1 of episodes taken from the end of the dataset", "dataset.val_episodes=5")
+    for key in ("val_batches", "val_batch_size"):
+        if getattr(ev, key) is not None and val is None:
+            raise config_error(f"eval.{key}", getattr(ev, key), "sizes the validation loss, and dataset.val_episodes "
+                               "holds no episode out", f"dataset.val_episodes=<episodes or a count>, or drop eval.{key}")
+    accum = cfg.accelerator.gradient_accumulation.steps
+    if ev.freq % accum:
+        raise config_error(
+            "eval.freq", ev.freq,
+            f"is not a multiple of accelerator.gradient_accumulation.steps={accum}: an evaluation inside an "
+            "accumulation window would see weights half-way through an update",
+            f"eval.freq={-(-ev.freq // accum) * accum}",
+        )
+    _validate_keep_best(cfg)
+
+
+def _validate_keep_best(cfg: TrainConfig) -> None:
+    ckpt = cfg.checkpoint
+    if ckpt.keep_best is None:
+        if ckpt.best_metric is not None:
+            raise config_error("checkpoint.best_metric", ckpt.best_metric, "only ranks checkpoints for "
+                               "checkpoint.keep_best, which is not set", "checkpoint.keep_best=1, or drop "
+                               "checkpoint.best_metric")
+        return
+    if ckpt.keep_best < 1:
+        raise config_error("checkpoint.keep_best", ckpt.keep_best, "must be >= 1 (or null)", "checkpoint.keep_best=1")
+    if not ckpt.save_checkpoint or cfg.eval.freq == 0:
+        raise config_error("checkpoint.keep_best", ckpt.keep_best,
+                           "ranks the checkpoints of evaluation steps, and this run "
+                           + ("saves none (checkpoint.save_checkpoint=false)" if not ckpt.save_checkpoint
+                              else "evaluates only at its last step (eval.freq=0)"),
+                           "eval.freq=<loop steps> with checkpoint.save_checkpoint=true, or checkpoint.keep_best=null")
+    metric = cfg.best_metric()
+    if metric is BestMetric.success_rate and cfg.eval.n_episodes == 0:
+        raise config_error("checkpoint.best_metric", metric, "ranks by the success rate in simulation, and "
+                           "eval.n_episodes=0 runs none", "eval.n_episodes=50, or checkpoint.best_metric=val_loss")
+    if metric is BestMetric.val_loss and cfg.dataset.val_episodes is None:
+        raise config_error("checkpoint.best_metric", metric, "ranks by the validation loss, and no "
+                           "dataset.val_episodes are held out", "dataset.val_episodes=<episodes or a count>, or "
+                           "checkpoint.best_metric=success_rate with eval.n_episodes > 0")

@@ -22,25 +22,34 @@ _NO_RENDERING = "disable"
 _PROBE_CODE = "import mujoco; c = mujoco.GLContext(16, 16); c.make_current(); c.free()"
 
 
+SIM_PACKAGES = ("mujoco", "dm_control", "gym_aloha")
+
+
+def missing_sim_packages() -> list[str]:
+    """The packages of the simulation extra that are not installed (none imported)."""
+    return [name for name in SIM_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def require_sim() -> None:
     """Raises a clear ImportError when the simulation extra is missing; picks the GL backend.
 
     Call before importing mujoco, dm_control or gym_aloha.
     """
-    missing = [
-        name for name in ("mujoco", "dm_control", "gym_aloha") if importlib.util.find_spec(name) is None
-    ]
+    missing = missing_sim_packages()
     if missing:
         raise ImportError(
             f"lerobot_mg[sim]: the simulation needs the packages {missing}, which are not installed. Fix: "
             f"{SIM_INSTALL_HINT}"
         )
-    configure_headless_rendering()
+    chosen = configure_headless_rendering()
+    if chosen is not None:  # the process's choice stays in its environment (code that restores os.environ)
+        os.environ.setdefault("MUJOCO_GL", chosen)
 
 
 @functools.cache
-def configure_headless_rendering() -> None:
-    """Sets ``MUJOCO_GL`` to the first headless backend that can create a context.
+def configure_headless_rendering() -> str | None:
+    """Sets ``MUJOCO_GL`` to the first headless backend that can create a context; returns the backend in force
+    (None: mujoco was imported before any was chosen).
 
     A value the user set is kept. Each candidate is probed in a subprocess because a failed GL
     initialisation cannot be undone in this one. When nothing renders, rendering is disabled so
@@ -48,15 +57,16 @@ def configure_headless_rendering() -> None:
     then explains what to install.
     """
     if "MUJOCO_GL" in os.environ:
-        return
+        return os.environ["MUJOCO_GL"]
     if "mujoco" in sys.modules:
         # Too late to choose: mujoco has already read the (unset) variable.
-        return
+        return None
     for backend in _HEADLESS_BACKENDS:
         if _backend_works(backend):
             os.environ["MUJOCO_GL"] = backend
-            return
+            return backend
     os.environ["MUJOCO_GL"] = _NO_RENDERING
+    return _NO_RENDERING
 
 
 def assert_rendering_available() -> None:

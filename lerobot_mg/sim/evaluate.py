@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -19,9 +19,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lerobot_mg.checkpoint import layout
-from lerobot_mg.checkpoint.state import write_json
-from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.video import VideoEncoder
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.peft.lora import load_policy
@@ -50,6 +47,9 @@ class EpisodeResult:
     sum_reward: int
     max_reward: int
     num_steps: int
+    # The sum of every joint position the controller commanded: two rollouts of a seed that agree on it took the
+    # same actions (what the per-episode comparison of two evaluations checks, beyond their rewards).
+    action_sum: float = 0.0
 
 
 class Controller(Protocol):
@@ -63,38 +63,29 @@ class Controller(Protocol):
 
 
 class PolicyController:
-    """Runs a saved policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor.
+    """Runs a policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor, in eval mode.
 
-    A PEFT checkpoint runs as base + adapter: merged into the weights by default, or as the peft model
-    (``merge_adapter=False``), which gives the same actions up to float rounding."""
+    :meth:`load` reads a saved one. A PEFT checkpoint runs as base + adapter: merged into the weights by default, or
+    as the peft model (``merge_adapter=False``), which gives the same actions up to float rounding. Each episode
+    starts from torch's global generator seeded with the episode's seed, so a policy that samples (Diffusion) gives
+    the same rollout for a seed wherever it runs (training wraps evaluation in a fork of the generators)."""
 
-    def __init__(self, pretrained_dir: Path, device: str = "cpu", merge_adapter: bool = True) -> None:
+    def __init__(self, policy: Any, preprocessor: Any, postprocessor: Any, device: str | torch.device = "cpu",
+                 source: str = "the policy") -> None:
         self.device = torch.device(device)
-        self.policy = load_policy(pretrained_dir, map_location=str(self.device), merge_adapter=merge_adapter)
-        preprocessor, postprocessor = load_processors(pretrained_dir)
+        self.policy = policy.to(self.device).eval()
         self.preprocessor, self.postprocessor = preprocessor.to(self.device), postprocessor.to(self.device)
-        inputs = self.policy.input_features
-        unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
-        if unsupported:
-            raise ConfigError(
-                f"{pretrained_dir}: the policy reads {unsupported}, which the transfer-cube simulation does not "
-                f"provide (it provides {list(SUPPORTED_INPUTS)}). Fix: evaluate a policy trained on the embedded "
-                "ALOHA dataset (dataset=embedded)"
-            )
-        action_shape = list(self.policy.output_features["action"]["shape"])
-        if action_shape != [NUM_JOINTS]:
-            raise ConfigError(
-                f"{pretrained_dir}: the policy outputs actions of shape {action_shape}, but the ALOHA scene takes "
-                f"[{NUM_JOINTS}] joint positions. Fix: evaluate a policy trained on the embedded ALOHA dataset "
-                "(dataset=embedded)"
-            )
-        self.image_size: tuple[int, int] | None = None
-        if IMAGE_KEY in inputs:
-            _, height, width = inputs[IMAGE_KEY]["shape"]
-            self.image_size = (int(height), int(width))
+        self.image_size = check_sim_policy(self.policy.input_features, self.policy.output_features, source)
+
+    @classmethod
+    def load(cls, pretrained_dir: Path, device: str = "cpu", merge_adapter: bool = True) -> PolicyController:
+        policy = load_policy(pretrained_dir, map_location=str(device), merge_adapter=merge_adapter)
+        preprocessor, postprocessor = load_processors(pretrained_dir)
+        return cls(policy, preprocessor, postprocessor, device, str(pretrained_dir))
 
     def reset(self, seed: int) -> None:
         self.policy.reset()
+        torch.manual_seed(seed)
 
     def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
         batch = {}
@@ -108,6 +99,29 @@ class PolicyController:
             action_BA = self.policy.select_action(self.preprocessor(batch))
             action_BA = self.postprocessor({"action": action_BA})["action"]
         return action_BA[0].cpu().numpy().astype(np.float64)
+
+
+def check_sim_policy(inputs: dict[str, Any], outputs: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """A ConfigError unless the transfer-cube scene provides every input of a policy and takes its actions; the
+    (height, width) of the camera it watches (None: state only)."""
+    unsupported = sorted(set(inputs) - set(SUPPORTED_INPUTS))
+    if unsupported:
+        raise ConfigError(
+            f"{source}: the policy reads {unsupported}, which the transfer-cube simulation does not "
+            f"provide (it provides {list(SUPPORTED_INPUTS)}). Fix: evaluate a policy trained on the embedded "
+            "ALOHA dataset (dataset=embedded)"
+        )
+    action_shape = list(outputs["action"]["shape"])
+    if action_shape != [NUM_JOINTS]:
+        raise ConfigError(
+            f"{source}: the policy outputs actions of shape {action_shape}, but the ALOHA scene takes "
+            f"[{NUM_JOINTS}] joint positions. Fix: evaluate a policy trained on the embedded ALOHA dataset "
+            "(dataset=embedded)"
+        )
+    if IMAGE_KEY not in inputs:
+        return None
+    _, height, width = inputs[IMAGE_KEY]["shape"]
+    return int(height), int(width)
 
 
 class ExpertController:
@@ -153,7 +167,7 @@ def evaluate_policy(
     if not pretrained_dir.is_dir():
         raise config_error("policy_path", str(pretrained_dir), "is not a directory",
                            "policy_path=<run>/checkpoints/<step or last>/pretrained_model")
-    controller = PolicyController(pretrained_dir, device=device, merge_adapter=merge_adapter)
+    controller = PolicyController.load(pretrained_dir, device=device, merge_adapter=merge_adapter)
     return run_evaluation(controller, n_episodes, seed_start, video_dir, max_steps, n_video_episodes, log_every_s)
 
 
@@ -185,29 +199,57 @@ def run_evaluation(
     if seed_start < 0:
         raise config_error("seed_start", seed_start, f"must be >= 0 (held-out seeds start at {HELD_OUT_SEED_START})",
                            f"seed_start={HELD_OUT_SEED_START}")
+    started = time.perf_counter()
+    seeds = list(range(seed_start, seed_start + n_episodes))
+    results, videos = rollout_episodes(controller, seeds, seeds[:n_video_episodes], video_dir, max_steps,
+                                       EpisodeProgress(n_episodes, log_every_s, clock))
+    return summarize(results, seed_start, time.perf_counter() - started, videos)
+
+
+class RolloutError(RuntimeError):
+    """The rollout of one episode raised; ``seed`` names it, the cause is chained."""
+
+    def __init__(self, seed: int, cause: BaseException) -> None:
+        super().__init__(f"the rollout of episode seed {seed} failed: {cause!r}")
+        self.seed = seed
+
+
+def rollout_episodes(
+    controller: Controller,
+    seeds: list[int],
+    video_seeds: Sequence[int] = (),
+    video_dir: Path | None = None,
+    max_steps: int = EPISODE_LENGTH,
+    progress: EpisodeProgress | None = None,
+) -> tuple[list[EpisodeResult], list[str]]:
+    """Roll out one episode per seed, in order; the episodes of ``video_seeds`` are recorded as mp4 files in
+    ``video_dir`` (named by their place in ``video_seeds``). Raises :class:`RolloutError` naming the seed of an
+    episode that failed."""
+    video_seeds = list(video_seeds) if video_dir is not None else []
     sim = TransferCubeSim()
     policy_camera = CameraRenderer(sim, *controller.image_size) if controller.image_size is not None else None
     video_camera: CameraRenderer | None = None
-    if video_dir is not None and n_video_episodes > 0:
+    if set(video_seeds) & set(seeds):
+        assert video_dir is not None
         video_camera = policy_camera if policy_camera is not None else CameraRenderer(sim, *VIDEO_SIZE)
         Path(video_dir).mkdir(parents=True, exist_ok=True)
-
     results: list[EpisodeResult] = []
     videos: list[str] = []
-    started = time.perf_counter()
-    progress = EpisodeProgress(n_episodes, log_every_s, clock)
     try:
-        for episode_index in progress.episodes():
-            seed = seed_start + episode_index
-            record = video_camera is not None and episode_index < n_video_episodes
-            result, frames = _rollout(
-                sim, controller, seed, max_steps, policy_camera, video_camera if record else None
-            )
+        for position in progress.episodes() if progress is not None else range(len(seeds)):
+            seed = seeds[position]
+            record = video_camera is not None and seed in video_seeds
+            try:
+                result, frames = _rollout(sim, controller, seed, max_steps, policy_camera,
+                                          video_camera if record else None)
+            except Exception as error:
+                raise RolloutError(seed, error) from error
             results.append(result)
-            progress.episode_done(result.success)
+            if progress is not None:
+                progress.episode_done(result.success)
             if record:
                 assert video_dir is not None and frames
-                path = Path(video_dir) / f"eval_episode_{episode_index:03d}_seed_{seed}.mp4"
+                path = Path(video_dir) / f"eval_episode_{video_seeds.index(seed):03d}_seed_{seed}.mp4"
                 write_video(path, np.stack(frames))
                 videos.append(str(path))
     finally:
@@ -215,17 +257,22 @@ def run_evaluation(
             policy_camera.close()
         if video_camera is not None and video_camera is not policy_camera:
             video_camera.close()
-    seconds = time.perf_counter() - started
+    return results, videos
 
+
+def summarize(results: list[EpisodeResult], seed_start: int, seconds: float, videos: list[str]) -> dict[str, Any]:
+    """The report of a set of episodes (in seed order): success rate and count, mean return and length, each
+    episode, and the videos."""
     num_successes = sum(result.success for result in results)
     return {
-        "success_rate": num_successes / n_episodes,
+        "success_rate": num_successes / len(results),
         "num_successes": num_successes,
-        "n_episodes": n_episodes,
+        "n_episodes": len(results),
         "mean_return": float(np.mean([result.sum_reward for result in results])),
+        "mean_episode_length": float(np.mean([result.num_steps for result in results])),
         "per_episode": [asdict(result) for result in results],
         "seed_start": seed_start,
-        "seconds_per_episode": round(seconds / n_episodes, 3),
+        "seconds_per_episode": round(seconds / len(results), 3),
         "videos": videos,
     }
 
@@ -270,6 +317,7 @@ def _rollout(
     observation = sim.reset(seed)
     frames: list[np.ndarray] = []
     sum_reward = max_reward = num_steps = 0
+    action_sum = 0.0
     while num_steps < max_steps and max_reward < MAX_REWARD:
         inputs = policy_inputs(observation)
         if policy_camera is not None:
@@ -277,6 +325,7 @@ def _rollout(
         if video_camera is not None:
             frames.append(inputs[IMAGE_KEY] if video_camera is policy_camera else video_camera.render())
         action = np.asarray(controller.act(inputs), dtype=np.float64)
+        action_sum += float(action.sum())
         observation, reward = sim.step(action)
         sum_reward += reward
         max_reward = max(max_reward, reward)
@@ -289,6 +338,7 @@ def _rollout(
         sum_reward=sum_reward,
         max_reward=max_reward,
         num_steps=num_steps,
+        action_sum=action_sum,
     )
     return result, frames
 
@@ -306,19 +356,3 @@ def write_video(path: Path, frames_THWC: np.ndarray, fps: int = FPS) -> None:
     encoder = VideoEncoder("eval", Path(path), fps, height, width, "h264")
     encoder.add_frames(frames_THWC)
     encoder.close()
-
-
-def evaluate_run(output_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
-    """The end of a training run: roll out its last checkpoint (``eval.*``) and write eval_info.json; main process
-    only."""
-    pretrained = layout.weights_dir(layout.checkpoints_root(output_dir) / layout.LAST_LINK / layout.PRETRAINED_MODEL_DIR,
-                                    cfg.ema.enable and cfg.ema.use_for_eval)  # pretrained_model_ema/ when present
-    video_dir = output_dir / "eval" / "videos" if cfg.eval.n_video_episodes > 0 else None
-    result = evaluate_policy(pretrained, n_episodes=cfg.eval.n_episodes, seed_start=cfg.eval.seed_start,
-                             video_dir=video_dir, n_video_episodes=cfg.eval.n_video_episodes,
-                             log_every_s=cfg.logging.log_every_s,
-                             device="cuda" if torch.cuda.is_available() and not cfg.accelerator.cpu else "cpu")
-    write_json(output_dir / "eval_info.json", result)
-    print(f"eval: success rate {result['success_rate']:.2f} ({result['num_successes']}/{result['n_episodes']}), "
-          f"mean return {result['mean_return']:.1f}; checkpoint: {pretrained}", flush=True)
-    return result

@@ -110,7 +110,7 @@ def test_diffusion_rolls_out_on_its_observation_history(state_dataset: tuple[Pat
     config = DiffusionConfig(horizon=8, n_action_steps=4, down_dims=[16, 32], diffusion_step_embed_dim=16,
                              noise_scheduler_type="DDIM", num_inference_steps=2)
     save_untrained_policy(tmp_path, dataset.features, dataset.stats, config)
-    controller = PolicyController(tmp_path)
+    controller = PolicyController.load(tmp_path)
     shapes: list[tuple[int, ...]] = []
     predict = controller.policy.predict_action_chunk
 

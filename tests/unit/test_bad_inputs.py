@@ -12,6 +12,7 @@ under ``$HF_HOME``). docs/errors.md lists every row.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -535,9 +536,87 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "eval_on_non_embedded_dataset",
         [*VALID, "eval.n_episodes=5"],
         1,
-        "eval.n_episodes=5: evaluation runs the ALOHA transfer-cube simulation, which only matches the "
-        "embedded dataset",
-        "eval.n_episodes=0, or dataset=embedded",
+        "eval.n_episodes=5: evaluation runs the ALOHA transfer-cube simulation, whose observation.state has shape "
+        "[14], and that of dataset.root has shape [2]",
+        "eval.n_episodes=0 (dataset.val_episodes evaluates without a simulator), or dataset=embedded",
+    ),
+    ("eval_freq_negative", [*VALID, "eval.freq=-1"], 1, "eval.freq=-1: must be >= 0", "eval.freq=0"),
+    ("eval_max_steps_zero", [*VALID, "eval.max_steps=0"], 1, "eval.max_steps=0: must be >= 1 (or null)",
+     "eval.max_steps=null"),
+    (
+        "eval_inside_an_accumulation_window",
+        [*VALID, "steps=12", "eval.freq=6", "dataset.val_episodes=1", "accelerator.gradient_accumulation.steps=4"],
+        1,
+        "eval.freq=6: is not a multiple of accelerator.gradient_accumulation.steps=4",
+        "eval.freq=8",
+    ),
+    (
+        "val_batches_without_validation_episodes",
+        [*VALID, "eval.val_batches=4"],
+        1,
+        "eval.val_batches=4: sizes the validation loss, and dataset.val_episodes holds no episode out",
+        "dataset.val_episodes=<episodes or a count>, or drop eval.val_batches",
+    ),
+    (
+        "val_episodes_not_a_count_or_list",
+        [*VALID, "dataset.val_episodes=0"],
+        1,
+        "dataset.val_episodes=0: must be a non-empty list of episode indices, or a count >= 1",
+        "dataset.val_episodes=5",
+    ),
+    (
+        "val_episodes_overlapping_the_training_episodes",
+        [*VALID, "dataset.episodes=[0,1]", "dataset.val_episodes=[1,2]"],
+        1,
+        "dataset.val_episodes=[1, 2]: holds out episodes [1], which dataset.episodes trains on",
+        "dataset.val_episodes=<episodes outside dataset.episodes>",
+    ),
+    (
+        "val_episodes_leaving_nothing_to_train_on",
+        [*VALID, "dataset.val_episodes=3"],
+        1,
+        "dataset.val_episodes=3: holds out every episode of dataset.root (it has 3): nothing is left to train on",
+        "dataset.val_episodes=<at most 2>",
+    ),
+    (
+        "val_episodes_unknown",
+        [*VALID, "dataset.val_episodes=[7]"],
+        1,
+        "dataset.val_episodes=[7]: dataset.root has no episode [7] (it has 3: 0..2)",
+        "dataset.val_episodes=<indices in 0..2>, or a count",
+    ),
+    ("keep_best_zero", [*VALID, "checkpoint.keep_best=0"], 1, "checkpoint.keep_best=0: must be >= 1 (or null)",
+     "checkpoint.keep_best=1"),
+    (
+        "keep_best_without_evaluation_steps",
+        [*VALID, "checkpoint.keep_best=2", "dataset.val_episodes=1"],
+        1,
+        "checkpoint.keep_best=2: ranks the checkpoints of evaluation steps, and this run evaluates only at its last "
+        "step (eval.freq=0)",
+        "eval.freq=<loop steps> with checkpoint.save_checkpoint=true, or checkpoint.keep_best=null",
+    ),
+    (
+        "best_metric_without_keep_best",
+        [*VALID, "checkpoint.best_metric=val_loss"],
+        1,
+        "checkpoint.best_metric='val_loss': only ranks checkpoints for checkpoint.keep_best, which is not set",
+        "checkpoint.keep_best=1, or drop checkpoint.best_metric",
+    ),
+    (
+        "best_metric_success_rate_without_simulation",
+        [*VALID, "checkpoint.keep_best=1", "eval.freq=10", "dataset.val_episodes=1",
+         "checkpoint.best_metric=success_rate"],
+        1,
+        "checkpoint.best_metric='success_rate': ranks by the success rate in simulation, and eval.n_episodes=0 runs "
+        "none",
+        "eval.n_episodes=50, or checkpoint.best_metric=val_loss",
+    ),
+    (
+        "best_metric_val_loss_without_validation_episodes",
+        [*VALID, "checkpoint.keep_best=1", "eval.freq=10", "eval.n_episodes=5", "checkpoint.best_metric=val_loss"],
+        1,
+        "checkpoint.best_metric='val_loss': ranks by the validation loss, and no dataset.val_episodes are held out",
+        "dataset.val_episodes=<episodes or a count>, or checkpoint.best_metric=success_rate",
     ),
     # resume and the run directory
     (
@@ -575,13 +654,6 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         1,
         "optimizer.betas=[0.9]: must be two values in [0, 1)",
         "optimizer.betas=[0.9,0.999]",
-    ),
-    (
-        "eval_without_a_gathered_checkpoint",
-        [*VALID, "dataset.name=embedded", "eval.n_episodes=5", "checkpoint.save_checkpoint=false"],
-        1,
-        "eval.n_episodes=5: evaluation loads the last checkpoint's model.safetensors, which this run does not write",
-        "checkpoint.save_checkpoint=true with checkpoint.format=safetensors or safetensors_dcp, or eval.n_episodes=0",
     ),
     (
         "config_path_without_resume",
@@ -665,6 +737,19 @@ def test_a_precision_the_gpu_cannot_compute_is_refused(row_id: str, gpu: str, pr
     assert f"`{row_id}`" in ERRORS_DOC.read_text()
     # The same GPU with the precision the fix names passes this check (negative control of the rule).
     assert precision_unsupported(fix.split("=")[1], use_cpu=False) is None
+
+
+def test_evaluation_without_the_sim_extra_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine where `pip install lerobot_mg` left out the `sim` extra: its packages are not found."""
+    cfg = _run_config([*VALID, "eval.n_episodes=5", "eval.freq=10"], 1)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mujoco" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as error:
+        preflight(cfg, 1)
+    message = str(error.value)
+    assert message.startswith("eval.n_episodes=5: evaluation in simulation needs the sim extra, and ['mujoco'] are "
+                              "not installed. Fix: pip install 'lerobot_mg[sim]'"), message
+    assert "`eval_without_the_sim_extra`" in ERRORS_DOC.read_text()
 
 
 def test_defaults_the_user_did_not_type_never_refuse_a_short_run() -> None:

@@ -29,6 +29,7 @@ COVERED_BY: list[tuple[str, str]] = [
     ("python scripts/train.py -m hydra/launcher=slurm", "tests/dist/test_slurm.py::test_each_sweep_job_has_its_own_run_directory"),
     ("torchrun --nnodes=2", "tests/dist/test_local_sweep.py::test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run"),
     ("torchrun --nproc-per-node=4 scripts/train.py policy.path=", "tests/dist/test_peft_runs.py::test_sharded_lora_matches_one_process"),
+    ("torchrun --nproc-per-node=4 scripts/train.py experiment=aloha_state", "tests/sim/test_eval_during_training.py::test_evaluation_spread_over_the_ranks_equals_one_process"),
     ("torchrun --nproc-per-node=4", "tests/dist/test_layouts.py::test_hsdp_mesh_is_two_replicas_of_two_shards"),
     ("torchrun --nproc-per-node=2 scripts/train.py policy=diffusion", "tests/dist/test_diffusion_layouts.py::test_fsdp_by_size_with_activation_checkpointing_and_dcp_matches_one_process"),
     ("torchrun --nproc-per-node=2 scripts/train.py experiment=pusht_debug_diffusion", "tests/dist/test_diffusion_layouts.py::test_fsdp_by_size_with_activation_checkpointing_and_dcp_matches_one_process"),

@@ -259,7 +259,7 @@ def test_reader_errors_name_the_problem(tmp_path: Path) -> None:
         read_ledger(tmp_path)
     path = tmp_path / LEDGER_FILENAME
     path.write_text('{"kind": "interval", "progress": {}}\n')
-    with pytest.raises(ConfigError, match=r"ledger.jsonl:1: expected a start, resume, interval or stop record after a "
+    with pytest.raises(ConfigError, match=r"ledger.jsonl:1: expected a start, resume, interval, eval or stop record after a "
                                          r"start record, got kind 'interval'"):
         read_ledger(tmp_path)
     path.write_text('{"kind": "start", "time": 1.0}\n')
