@@ -23,6 +23,7 @@ from lerobot_mg.policies import (
     load_pretrained,
     make_policy,
 )
+from lerobot_mg.policies.act.modeling_act import ACTDropout, ACTEncoder, attention
 from lerobot_mg.policies.vision import ResNet18FeatureMap
 from tests.launch_utils import PUSHT_SLICE
 
@@ -487,3 +488,33 @@ def test_temporal_ensembling_weights_every_prediction_of_a_step() -> None:
     policy.reset()
     policy.predict_action_chunk = lambda batch: chunks[0]  # type: ignore[method-assign]
     torch.testing.assert_close(policy.select_action(observation), chunks[0][:, 0])
+
+
+def test_attention_is_torchs_multihead_attention() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(16, 4, dropout=0.1).eval()
+    query, key = torch.randn(5, 3, 16), torch.randn(7, 3, 16)
+    value = torch.randn(7, 3, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    assert torch.equal(attention(module, query, key, value, pad), module(query, key, value, key_padding_mask=pad)[0])
+    assert torch.equal(attention(module, query, key, value), module(query, key, value)[0])
+
+
+def test_the_vae_encoders_cls_only_last_layer_equals_the_full_stack() -> None:
+    torch.manual_seed(0)
+    config = tiny_config(n_vae_encoder_layers=2, dropout=0.0)
+    encoder = ACTEncoder(config, is_vae_encoder=True).eval()
+    tokens, pos = torch.randn(9, 3, 32), torch.randn(9, 1, 32)
+    pad = torch.zeros(3, 9, dtype=torch.bool)
+    pad[0, 6:] = True
+    torch.testing.assert_close(encoder(tokens, pos, pad, first_token_only=True), encoder(tokens, pos, pad)[:1])
+
+
+def test_dropout_keeps_1_minus_p_and_rescales() -> None:
+    torch.manual_seed(0)
+    dropout = ACTDropout(0.25).train()
+    out = dropout(torch.ones(200_000))
+    assert torch.equal(out.unique(), torch.tensor([0.0, 4 / 3]))
+    assert (out > 0).float().mean().item() == pytest.approx(0.75, abs=0.005)
+    assert torch.equal(dropout.eval()(out), out)
