@@ -518,3 +518,10 @@ def test_dropout_keeps_1_minus_p_and_rescales() -> None:
     assert torch.equal(out.unique(), torch.tensor([0.0, 4 / 3]))
     assert (out > 0).float().mean().item() == pytest.approx(0.75, abs=0.005)
     assert torch.equal(dropout.eval()(out), out)
+
+
+def test_a_meta_device_build_puts_every_tensor_on_meta() -> None:
+    # The start-up checks build the policy on the meta device: no memory, no tensor left on the CPU.
+    with torch.device("meta"):
+        policy = ACTPolicy(tiny_config(vision_backbone="resnet18"), IMAGE_INPUTS, OUTPUTS)
+    assert {tensor.device.type for tensor in policy.state_dict().values()} == {"meta"}

@@ -44,7 +44,7 @@ def create_sinusoidal_pos_embedding(num_positions: int, dimension: int) -> Tenso
     table = np.arange(num_positions, dtype=np.float64)[:, None] / np.power(10000, exponents)[None, :]
     table[:, 0::2] = np.sin(table[:, 0::2])
     table[:, 1::2] = np.cos(table[:, 1::2])
-    return torch.from_numpy(table).float()
+    return torch.tensor(table, dtype=torch.float32)  # on the default device (meta for a skeleton build)
 
 
 def sinusoid_2d(height: int, width: int, dimension: int, device: torch.device) -> Tensor:
