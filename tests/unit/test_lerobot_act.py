@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
-from tests.lerobot_fixtures import config_json, fixture_state_dict, manifest, normalized_camera, reference
+from lerobot_mg.processors.normalize import load_processors
+from tests.lerobot_fixtures import (
+    config_json,
+    fixture_state_dict,
+    manifest,
+    normalized_camera,
+    pretrained_model_dir,
+    reference,
+)
 
 FIXTURES = ["act_state", "act_image"]
 CAMERA = "observation.images.top"
@@ -133,3 +141,20 @@ def test_l1_is_the_mean_over_non_padded_entries() -> None:
     assert float(policy(batch)[1]["l1_loss"]) == pytest.approx(1.02720, abs=1e-5)
     unpadded = dict(batch, action_is_pad=torch.zeros_like(batch["action_is_pad"]))
     assert float(policy(unpadded)[1]["l1_loss"]) == pytest.approx(1.08257, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_a_raw_batch_through_our_processors_and_policy_gives_lerobots_actions(name: str) -> None:
+    """End to end: the raw batch (camera uint8 / 255, as lerobot_train.py hands it over) through our preprocessor
+    read from the fixture's files, our policy, and our postprocessor: LeRobot's loss and unnormalized chunk."""
+    policy, expected = fixture_policy(name).eval(), reference(name)
+    preprocessor, postprocessor = load_processors(pretrained_model_dir(name))
+    raw = {key.removeprefix("input."): value for key, value in expected.items()
+           if key.startswith("input.") and key != "input.train_latent_eps"}
+    if name == "act_image":
+        raw[CAMERA] = raw.pop(f"{CAMERA}.uint8").float() / 255
+    batch = preprocessor(raw)
+    assert_loss(policy(batch)[0], expected["eval.loss"])
+    observation = {key: value for key, value in batch.items() if not key.startswith("action")}
+    actions = postprocessor({"action": policy.predict_action_chunk(observation)})["action"]
+    assert_tensor(actions, expected["eval.action_chunk_unnormalized"])
