@@ -49,7 +49,8 @@ class ACTConfig(PolicyConfig):
     # .safetensors copy), or torchvision's name ResNet18_Weights.IMAGENET1K_V1 where torchvision is installed and
     # online. null: random init. A policy loaded from a checkpoint takes the checkpoint's weights instead.
     pretrained_backbone_weights: str | None = None
-    # LeRobot types it int and writes false or 0: 0/1 are accepted. ResNet18's blocks cannot dilate (true fails).
+    # LeRobot types it int and writes false, or 0 once read back: 0 and 1 are accepted (the schema reads them as
+    # false and true). ResNet18's blocks cannot dilate (true fails).
     replace_final_stride_with_dilation: bool = False
     pre_norm: bool = False
     dim_model: int = 512
@@ -92,6 +93,9 @@ class ACTConfig(PolicyConfig):
         if self.use_vae:
             positive_ints["n_vae_encoder_layers"] = self.n_vae_encoder_layers
         check_positive_ints(positive_ints)
+        if self.n_obs_steps != 1:
+            raise config_error("policy.n_obs_steps", self.n_obs_steps,
+                               "must be 1: ACT reads the current frame only (as LeRobot's)", "policy.n_obs_steps=1")
         if self.n_action_steps > self.chunk_size:
             raise config_error(
                 "policy.n_action_steps", self.n_action_steps,
@@ -126,7 +130,6 @@ class ACTConfig(PolicyConfig):
         if dilation not in (0, 1):  # False == 0, True == 1
             raise config_error("policy.replace_final_stride_with_dilation", dilation,
                                "must be false or true (0 or 1)", "policy.replace_final_stride_with_dilation=false")
-        self.replace_final_stride_with_dilation = bool(dilation)
         weights = self.pretrained_backbone_weights
         if weights is not None and self.vision_backbone != VisionBackbone.resnet18:
             raise config_error(

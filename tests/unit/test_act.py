@@ -298,6 +298,7 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
         ({"vision_channels": []}, r"policy\.vision_channels=\[\]: .*\. Fix: policy\.vision_channels=\[32,64,128,256\]$"),
         ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE': must be one of MEAN_STD, MIN_MAX, IDENTITY\. Fix: "),
         ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"policy\.normalization_mapping\.DEPTH='MEAN_STD': 'DEPTH' is not a feature type .*\. Fix: ~policy\.normalization_mapping\.DEPTH$"),
+        ({"n_obs_steps": 2}, r"policy\.n_obs_steps=2: must be 1: ACT reads the current frame only .*\. Fix: policy\.n_obs_steps=1$"),
         ({"vision_backbone": "resnet50"}, r"policy\.vision_backbone='resnet50': must be one of resnet18, lerobot_mg_cnn\. Fix: "),
         ({"replace_final_stride_with_dilation": 2}, r"policy\.replace_final_stride_with_dilation=2: must be false or true \(0 or 1\)\. Fix: "),
         ({"temporal_ensemble_coeff": 0.01}, r"policy\.n_action_steps=3: must be 1 with policy\.temporal_ensemble_coeff=0\.01 .*\. Fix: policy\.n_action_steps=1, "),
@@ -400,7 +401,7 @@ def test_defaults_are_lerobots_but_never_download() -> None:
 def test_dilation_flag_takes_lerobots_int_or_bool(value: object) -> None:
     config = tiny_config(replace_final_stride_with_dilation=value)
     config.validate()
-    assert config.replace_final_stride_with_dilation is bool(value)
+    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ACTConfig), {"replace_final_stride_with_dilation": value})).replace_final_stride_with_dilation is bool(value)
 
 
 def test_resnet18_backbone_has_torchvisions_names_and_cannot_dilate() -> None:

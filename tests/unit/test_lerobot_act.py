@@ -5,11 +5,15 @@ values, relative 1e-6 on the large training loss)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.processors.normalize import load_processors
@@ -158,3 +162,16 @@ def test_a_raw_batch_through_our_processors_and_policy_gives_lerobots_actions(na
     observation = {key: value for key, value in batch.items() if not key.startswith("action")}
     actions = postprocessor({"action": policy.predict_action_chunk(observation)})["action"]
     assert_tensor(actions, expected["eval.action_chunk_unnormalized"])
+
+
+def test_a_checkpoint_never_loads_backbone_weights(tmp_path: Path) -> None:
+    """LeRobot's default pretrained_backbone_weights is torchvision's weight name; a checkpoint that keeps it
+    loads here without torchvision and without a download: its model.safetensors holds the backbone."""
+    directory = tmp_path / "pretrained_model"
+    shutil.copytree(pretrained_model_dir("act_image"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["pretrained_backbone_weights"] = "ResNet18_Weights.IMAGENET1K_V1"
+    (directory / "config.json").write_text(json.dumps(config, indent=4))
+    save_file(fixture_state_dict("act_image"), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    policy = ACTPolicy.from_pretrained(directory)
+    assert_loss(policy(normalized_batch("act_image"))[0], reference("act_image")["eval.loss"])
