@@ -125,6 +125,15 @@ class VisionBackbone(Choice):
     lerobot_mg_cnn = "lerobot_mg_cnn"
 
 
+class L1Reduction(Choice):
+    """How ACT's L1 loss averages a batch. ``valid_entries``: over the non-padded entries only (LeRobot 0.6.1).
+    ``per_sample``: padded entries count as zero error and every sample weighs the same, so the mean of
+    data-parallel ranks' losses equals one process's loss on the whole batch, whatever the padding per rank."""
+
+    valid_entries = "valid_entries"
+    per_sample = "per_sample"
+
+
 class NoiseScheduler(Choice):
     DDPM = "DDPM"
     DDIM = "DDIM"

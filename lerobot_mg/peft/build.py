@@ -36,7 +36,8 @@ def load_base_policy(policy_cfg: Any, path: str, weights: bool = True) -> PreTra
     the base's weights in the dtype they were stored in (``weights=False``: the dtype only). Trains from here
     (train mode)."""
     inputs, outputs = base_features(path)
-    policy = get_policy_class(policy_cfg.type)(policy_cfg, inputs, outputs)
+    # The base holds the backbone's weights: pretrained_backbone_weights is not read (nor downloaded).
+    policy = get_policy_class(policy_cfg.type)(policy_cfg, inputs, outputs, load_backbone_weights=False)
     if not weights:
         policy.to(stored_dtype(path))
     elif check_policy_path(path) is BaseWeights.FULL:

@@ -59,7 +59,7 @@ def _skeleton(cfg: TrainConfig) -> PreTrainedPolicy:
     """The policy of this run without memory (meta device): its module names and types only."""
     inputs, outputs = base_features(str(cfg.policy.path))
     with torch.device("meta"):
-        return get_policy_class(cfg.policy.type)(cfg.policy, inputs, outputs)
+        return get_policy_class(cfg.policy.type)(cfg.policy, inputs, outputs, load_backbone_weights=False)
 
 
 def check_peft_config(cfg: TrainConfig, sharded: bool) -> None:

@@ -286,7 +286,8 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     @classmethod
     def from_pretrained(cls, directory: Path, map_location: str | torch.device = "cpu") -> PreTrainedPolicy:
         """Build the policy from config.json and load model.safetensors; returned in eval mode."""
-        policy = cls(*cls.read_config(directory))
+        # The checkpoint holds the backbone's weights: pretrained_backbone_weights is not read (nor downloaded).
+        policy = cls(*cls.read_config(directory), load_backbone_weights=False)
         policy.load_weights(directory, map_location)
         policy.to(map_location)
         policy.eval()

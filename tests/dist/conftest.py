@@ -2,8 +2,9 @@
 
 The runs are built for exact comparison: no dropout, no VAE sampling (the trainer seeds each rank with
 ``seed + rank``, so per-rank noise would differ from one process). Action chunks of 10 frames do run past
-episode ends, so padded positions are exercised: the L1 loss weighs every sample equally (padded positions
-count as zero error), which keeps the mean of per-rank losses equal to the one-process loss.
+episode ends, so padded positions are exercised: ``policy.l1_reduction=per_sample`` weighs every sample equally
+(padded positions count as zero error), which keeps the mean of per-rank losses equal to the one-process loss
+(LeRobot's default, the mean over each rank's non-padded entries, would weigh the ranks' samples differently).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DETERMINISTIC_RUN = [
     *TINY_RUN,
     "policy.dropout=0",
     "policy.use_vae=false",
+    "policy.l1_reduction=per_sample",
     "policy.chunk_size=10",
     "policy.n_action_steps=10",
     "log_freq=1",

@@ -1,4 +1,5 @@
-"""ACT policy: shapes, loss masking, VAE on/off, action queue, save/load, config validation, features."""
+"""ACT policy: shapes, loss masking, VAE on/off, action queue, temporal ensembling, backbones and their weights,
+save/load, config validation, features. (LeRobot's numbers: test_lerobot_act.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import (
@@ -22,6 +23,8 @@ from lerobot_mg.policies import (
     load_pretrained,
     make_policy,
 )
+from lerobot_mg.policies.act.modeling_act import ACTDropout, ACTEncoder, attention
+from lerobot_mg.policies.vision import ResNet18FeatureMap
 from tests.launch_utils import PUSHT_SLICE
 
 PUSHT_META = PUSHT_SLICE / "meta"
@@ -49,6 +52,7 @@ def tiny_config(**overrides: object) -> ACTConfig:
         n_decoder_layers=1,
         latent_dim=8,
         n_vae_encoder_layers=1,
+        vision_backbone="lerobot_mg_cnn",
         vision_channels=[8, 16],
     )
     return replace(config, **overrides)
@@ -121,19 +125,29 @@ def test_loss_ignores_padded_positions() -> None:
     assert abs(loss_changed_valid.item() - loss.item()) > 1e-3
 
 
-def test_l1_counts_padded_positions_as_zero_error_so_samples_weigh_equally() -> None:
-    # Equal per-sample weight makes the mean of per-rank losses (DDP/FSDP) equal the one-process loss.
+def test_l1_is_the_mean_over_valid_entries_or_per_sample() -> None:
+    """valid_entries (LeRobot's): the padded entries leave the denominator. per_sample: they count as zero error,
+    every sample weighs the same, so the mean of per-sample (per-rank) losses is the whole batch's loss."""
     torch.manual_seed(0)
     policy = ACTPolicy(tiny_config(use_vae=False, dropout=0.0), STATE_ONLY_INPUTS, OUTPUTS).train()
     batch = make_batch(STATE_ONLY_INPUTS, num_padded=2)
     with torch.no_grad():
         prediction = policy.model(batch)[0]
+        error = (prediction - batch["action"]).abs()
+        valid = error[:, : CHUNK - 2]
+        assert float(policy(batch)[1]["l1_loss"]) == pytest.approx(valid.mean().item(), rel=1e-5)
+        policy.config.l1_reduction = "per_sample"
         logs = seeded_loss(policy, batch)[1]
         per_sample = [float(policy({k: v[i : i + 1] for k, v in batch.items()})[1]["l1_loss"]) for i in range(BATCH)]
-    error = (prediction - batch["action"]).abs()
     error[:, CHUNK - 2 :] = 0.0
     assert logs["l1_loss"] == pytest.approx(error.mean().item(), rel=1e-5)  # the same 60 fp32 terms, maybe summed in another order
     assert logs["l1_loss"] == pytest.approx(sum(per_sample) / BATCH, rel=1e-5)
+
+
+def test_a_fully_padded_batch_has_zero_l1_not_nan() -> None:
+    policy = ACTPolicy(tiny_config(use_vae=False), STATE_ONLY_INPUTS, OUTPUTS).eval()
+    batch = make_batch(STATE_ONLY_INPUTS, num_padded=CHUNK)
+    assert float(policy(batch)[0].detach()) == 0.0
 
 
 def test_vae_off_has_no_kl_and_no_vae_modules() -> None:
@@ -284,6 +298,11 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
         ({"vision_channels": []}, r"policy\.vision_channels=\[\]: .*\. Fix: policy\.vision_channels=\[32,64,128,256\]$"),
         ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE': must be one of MEAN_STD, MIN_MAX, IDENTITY\. Fix: "),
         ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"policy\.normalization_mapping\.DEPTH='MEAN_STD': 'DEPTH' is not a feature type .*\. Fix: ~policy\.normalization_mapping\.DEPTH$"),
+        ({"n_obs_steps": 2}, r"policy\.n_obs_steps=2: must be 1: ACT reads the current frame only .*\. Fix: policy\.n_obs_steps=1$"),
+        ({"vision_backbone": "resnet50"}, r"policy\.vision_backbone='resnet50': must be one of resnet18, lerobot_mg_cnn\. Fix: "),
+        ({"replace_final_stride_with_dilation": 2}, r"policy\.replace_final_stride_with_dilation=2: must be false or true \(0 or 1\)\. Fix: "),
+        ({"temporal_ensemble_coeff": 0.01}, r"policy\.n_action_steps=3: must be 1 with policy\.temporal_ensemble_coeff=0\.01 .*\. Fix: policy\.n_action_steps=1, "),
+        ({"pretrained_backbone_weights": "ResNet18_Weights.IMAGENET1K_V1"}, r"policy\.pretrained_backbone_weights='ResNet18_Weights\.IMAGENET1K_V1': are ResNet18 weights, but policy\.vision_backbone=lerobot_mg_cnn .*\. Fix: "),
         ({"observation_keys": ["action"]}, r"policy\.observation_keys=\['action'\]: .*\. Fix: policy\.observation_keys=\[observation\.state\]"),
     ],
 )
@@ -361,6 +380,149 @@ def test_from_pretrained_rejects_weights_of_another_shape(tmp_path: Path) -> Non
     config["chunk_size"] = config["n_action_steps"] = 7
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"model\.safetensors: does not match the policy built from .*decoder_queries.*\. Fix: "
+        ValueError, match=r"model\.safetensors: does not match the policy built from .*decoder_pos_embed.*\. Fix: "
     ):
         load_pretrained(tmp_path)
+
+
+# --- LeRobot's ACT: defaults, features, backbones, temporal ensembling ------------------------------------------
+
+
+def test_defaults_are_lerobots_but_never_download() -> None:
+    config = ACTConfig()
+    assert config.vision_backbone == "resnet18" and config.pretrained_backbone_weights is None
+    # No ENV entry: observation.environment_state passes through unnormalized, as in LeRobot.
+    assert dict(config.normalization_mapping) == {"VISUAL": "MEAN_STD", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}
+    assert (config.chunk_size, config.n_action_steps, config.dim_model, config.latent_dim) == (100, 100, 512, 32)
+    assert {"vision_channels", "l1_reduction"} <= ACTConfig.lerobot_mg_only_fields
+
+
+@pytest.mark.parametrize("value", [0, 1, False, True])
+def test_dilation_flag_takes_lerobots_int_or_bool(value: object) -> None:
+    config = tiny_config(replace_final_stride_with_dilation=value)
+    config.validate()
+    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ACTConfig), {"replace_final_stride_with_dilation": value})).replace_final_stride_with_dilation is bool(value)
+
+
+def test_resnet18_backbone_has_torchvisions_names_and_cannot_dilate() -> None:
+    policy = ACTPolicy(tiny_config(vision_backbone="resnet18"), IMAGE_INPUTS, OUTPUTS)
+    keys = [key for key in policy.state_dict() if key.startswith("model.backbone.")]
+    assert keys[:5] == ["model.backbone.conv1.weight", "model.backbone.bn1.weight", "model.backbone.bn1.bias",
+                        "model.backbone.bn1.running_mean", "model.backbone.bn1.running_var"]
+    # Frozen batch norm: its four tensors are buffers; only the convolutions train.
+    assert not any(".bn" in name or "downsample.1" in name for name, _ in policy.named_parameters())
+    with pytest.raises(ConfigError, match=r"replace_final_stride_with_dilation=True: ResNet18's basic blocks "
+                                          r"cannot dilate .*\. Fix: policy\.replace_final_stride_with_dilation=false$"):
+        ACTPolicy(tiny_config(vision_backbone="resnet18", replace_final_stride_with_dilation=True), IMAGE_INPUTS,
+                  OUTPUTS)
+
+
+def test_pretrained_backbone_weights_from_a_local_file_not_for_a_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    imagenet = ResNet18FeatureMap().state_dict()
+    weights = tmp_path / "resnet18.safetensors"
+    save_file({**imagenet, "fc.weight": torch.zeros(1000, 512), "fc.bias": torch.zeros(1000)}, str(weights))
+    config = tiny_config(vision_backbone="resnet18", pretrained_backbone_weights=str(weights))
+    torch.manual_seed(0)
+    loaded = ACTPolicy(config, IMAGE_INPUTS, OUTPUTS).model.backbone.state_dict()
+    assert all(torch.equal(loaded[key], imagenet[key]) for key in imagenet)
+    torch.manual_seed(0)
+    from_checkpoint = ACTPolicy(config, IMAGE_INPUTS, OUTPUTS, load_backbone_weights=False).model.backbone
+    assert not torch.equal(from_checkpoint.conv1.weight, imagenet["conv1.weight"])
+
+
+def test_pretrained_backbone_weights_that_are_neither_a_file_nor_a_loadable_name() -> None:
+    with pytest.raises(ConfigError, match=r"pretrained_backbone_weights='/no/such\.pth': is neither a file nor "
+                                          r"torchvision's name .*\. Fix: "):
+        ACTPolicy(tiny_config(vision_backbone="resnet18", pretrained_backbone_weights="/no/such.pth"),
+                  IMAGE_INPUTS, OUTPUTS)
+    try:
+        import torchvision  # noqa: F401  (optional: where it imports, the name would download)
+    except Exception:
+        with pytest.raises(ConfigError, match=r"is a torchvision weight name, and torchvision cannot be imported"):
+            ACTPolicy(tiny_config(vision_backbone="resnet18", pretrained_backbone_weights="ResNet18_Weights.IMAGENET1K_V1"),
+                      IMAGE_INPUTS, OUTPUTS)
+
+
+def test_cameras_of_one_size_share_one_backbone_call() -> None:
+    inputs = {**IMAGE_INPUTS, "observation.images.wrist": {"type": "VISUAL", "shape": [3, 16, 16]}}
+    torch.manual_seed(0)
+    policy = ACTPolicy(tiny_config(), inputs, OUTPUTS).eval()
+    batch = make_batch(inputs)
+    calls: list[int] = []
+    handle = policy.model.backbone.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    chunk = policy.predict_action_chunk(batch)
+    handle.remove()
+    assert calls == [2 * BATCH]
+    # The same tokens as one call per camera (LeRobot's loop).
+    tokens = [policy.model.encoder_img_feat_input_proj(policy.model.backbone(batch[key])) for key in
+              ("observation.images.top", "observation.images.wrist")]
+    seen: dict[str, torch.Tensor] = {}
+    handle = policy.model.encoder.register_forward_hook(lambda module, args, out: seen.update(tokens=args[0]))
+    torch.testing.assert_close(policy.predict_action_chunk(batch), chunk)
+    handle.remove()
+    per_camera = torch.cat([t.flatten(2).permute(2, 0, 1) for t in tokens])
+    torch.testing.assert_close(seen["tokens"][2:], per_camera.detach())
+
+
+def test_a_state_feature_other_than_lerobots_two_is_refused() -> None:
+    inputs = {**STATE_ONLY_INPUTS, "observation.velocity": {"type": "STATE", "shape": [2]}}
+    with pytest.raises(ConfigError, match=r"cannot be an input\. Fix: policy\.observation_keys=\[observation\.state,"
+                                          r"observation\.environment_state\]$"):
+        ACTPolicy(tiny_config(), inputs, OUTPUTS)
+
+
+def test_temporal_ensembling_weights_every_prediction_of_a_step() -> None:
+    coeff = 0.5
+    policy = ACTPolicy(tiny_config(n_action_steps=1, temporal_ensemble_coeff=coeff), STATE_ONLY_INPUTS,
+                       OUTPUTS).eval()
+    chunks = [torch.randn(BATCH, CHUNK, ACTION_DIM) for _ in range(4)]
+    predictions = iter(chunks)
+    policy.predict_action_chunk = lambda batch: next(predictions)  # type: ignore[method-assign]
+    observation = make_batch(STATE_ONLY_INPUTS)
+    actions = [policy.select_action(observation) for _ in range(4)]
+    for step, action in enumerate(actions):
+        # Step t's action was predicted by chunk k at position t - k; the oldest prediction weighs most.
+        weights = torch.exp(-coeff * torch.arange(step + 1.0))
+        expected = sum(w * chunks[k][:, step - k] for k, w in enumerate(weights)) / weights.sum()
+        torch.testing.assert_close(action, expected)
+    policy.reset()
+    policy.predict_action_chunk = lambda batch: chunks[0]  # type: ignore[method-assign]
+    torch.testing.assert_close(policy.select_action(observation), chunks[0][:, 0])
+
+
+def test_attention_is_torchs_multihead_attention() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(16, 4, dropout=0.1).eval()
+    query, key = torch.randn(5, 3, 16), torch.randn(7, 3, 16)
+    value = torch.randn(7, 3, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    assert torch.equal(attention(module, query, key, value, pad), module(query, key, value, key_padding_mask=pad)[0])
+    assert torch.equal(attention(module, query, key, value), module(query, key, value)[0])
+
+
+def test_the_vae_encoders_cls_only_last_layer_equals_the_full_stack() -> None:
+    torch.manual_seed(0)
+    config = tiny_config(n_vae_encoder_layers=2, dropout=0.0)
+    encoder = ACTEncoder(config, is_vae_encoder=True).eval()
+    tokens, pos = torch.randn(9, 3, 32), torch.randn(9, 1, 32)
+    pad = torch.zeros(3, 9, dtype=torch.bool)
+    pad[0, 6:] = True
+    torch.testing.assert_close(encoder(tokens, pos, pad, first_token_only=True), encoder(tokens, pos, pad)[:1])
+
+
+def test_dropout_keeps_1_minus_p_and_rescales() -> None:
+    torch.manual_seed(0)
+    dropout = ACTDropout(0.25).train()
+    out = dropout(torch.ones(200_000))
+    assert torch.equal(out.unique(), torch.tensor([0.0, 4 / 3]))
+    assert (out > 0).float().mean().item() == pytest.approx(0.75, abs=0.005)
+    assert torch.equal(dropout.eval()(out), out)
+
+
+def test_a_meta_device_build_puts_every_tensor_on_meta() -> None:
+    # The start-up checks build the policy on the meta device: no memory, no tensor left on the CPU.
+    with torch.device("meta"):
+        policy = ACTPolicy(tiny_config(vision_backbone="resnet18"), IMAGE_INPUTS, OUTPUTS)
+    assert {tensor.device.type for tensor in policy.state_dict().values()} == {"meta"}

@@ -46,18 +46,18 @@ HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 # LeRobot fields a config class of ours does not have yet (the ACT part of the interop work adds them).
 PENDING_FIELDS: dict[str, frozenset[str]] = {
-    "act": frozenset({
-        "optimizer_lr", "optimizer_lr_backbone", "optimizer_weight_decay", "pretrained_backbone_weights",
-        "replace_final_stride_with_dilation", "temporal_ensemble_coeff", "vision_backbone",
-    }),
+    "act": frozenset(),
     "diffusion": frozenset(),
 }
 # True for a fixture whose state_dict (names, shapes, dtypes) our model does not build yet from its config.json.
-PENDING_STATE_DICT = {"act_state": True, "act_image": True, "diffusion_image": False}
+PENDING_STATE_DICT = {"act_state": False, "act_image": False, "diffusion_image": False}
 # True while our processor files do not have LeRobot's step file names and JSON.
 PENDING_PROCESSOR_FILES = False
 # A field whose default differs on purpose: LeRobot's is torchvision's ImageNet weights (a download); ours null.
 NULL_BY_CHOICE = {"pretrained_backbone_weights"}
+# LeRobot types it int with the default False: it writes false, and 0 once draccus has read it back (act_state_lora).
+# Ours is a bool (0 and 1 read as false and true) and writes false or true, which LeRobot reads as well.
+BOOL_FOR_INT = {"replace_final_stride_with_dilation"}
 
 
 def fixture_config(name: str) -> dict:
@@ -128,6 +128,8 @@ def assert_lerobot_config(ours: dict, theirs: dict) -> None:
     for key, value in ours.items():
         if key in hints and value is None:
             assert type(None) in typing.get_args(hints[key]), key
+        elif key in BOOL_FOR_INT:
+            assert json_type(value) == "bool" and value == theirs[key], key
         elif theirs[key] is not None or key not in NULL_BY_CHOICE:
             assert json_type(value) == json_type(theirs[key]) or (value, theirs[key]) == (None, None), key
 
