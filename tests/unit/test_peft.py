@@ -185,9 +185,11 @@ def test_adapter_file_has_peft_keys_and_loads_merged_or_not(base_dir: Path, tmp_
 
 LEROBOT = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1"
 LEROBOT_LORA = LEROBOT / "act_state_lora" / "pretrained_model"
-# The modules of LeRobot's act_state_lora adapter that ACT has under the same names here.
+# The 10 modules of LeRobot's act_state_lora adapter (PROVENANCE.md there), under the same names here.
 SHARED_TARGETS = [*(f"model.encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)),
-                  "model.decoder.layers.0.linear1", "model.decoder.layers.0.linear2", "model.action_head"]
+                  "model.decoder.layers.0.linear1", "model.decoder.layers.0.linear2",
+                  "model.encoder_robot_state_input_proj", "model.encoder_env_state_input_proj",
+                  "model.encoder_latent_input_proj", "model.action_head"]
 
 
 def _act_state_sized_adapter(tmp_path: Path) -> tuple[torch.nn.Module, Path, Path]:
@@ -235,9 +237,13 @@ def test_an_adapter_checkpoint_is_laid_out_as_lerobots_and_loads_with_peft(tmp_p
             safe_open(str(LEROBOT_LORA / "adapter_model.safetensors"), "pt") as theirs:
         assert mine.metadata() == theirs.metadata() == {"format": "pt"}
         shapes = {key: mine.get_slice(key).get_shape() for key in mine.keys()}  # noqa: SIM118 (not a dict)
-        wanted = {key: theirs.get_slice(key).get_shape() for key in theirs.keys()  # noqa: SIM118
+        theirs_keys = list(theirs.keys())
+        wanted = {key: theirs.get_slice(key).get_shape() for key in theirs_keys
                   if key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] in SHARED_TARGETS}
-    assert len(wanted) == 2 * len(SHARED_TARGETS) and shapes == wanted
+    assert len(SHARED_TARGETS) == 10 and len(wanted) == 2 * len(SHARED_TARGETS) and shapes == wanted
+    assert len(wanted) == len(theirs_keys)  # every key of LeRobot's adapter
+    policy_config = json.loads((adapter_dir / "config.json").read_text())  # LeRobot's record of a PEFT policy
+    assert (policy_config["use_peft"], policy_config["pretrained_path"]) == (True, str(base_dir.resolve()))
 
     batch = {"observation.state": torch.randn(3, 14), "observation.environment_state": torch.randn(3, 14)}
     want = model.predict_action_chunk(batch)
