@@ -218,7 +218,10 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
     assert config["type"] == "act"
     assert config["chunk_size"] == CHUNK and "vision_channels" not in config  # lerobot_mg's own: train_config.json
     assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
-    (tmp_path / "train_config.json").write_text(json.dumps({"policy": {"vision_channels": [8, 16]}}))
+    # As a run's pretrained_model/ holds it: the run's own policy section (config.json may name LeRobot's backbone
+    # for a policy that builds none).
+    (tmp_path / "train_config.json").write_text(json.dumps({"policy": {
+        "vision_channels": [8, 16], "vision_backbone": str(policy.config.vision_backbone)}}))
 
     loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, ACTPolicy) and not loaded.training

@@ -347,3 +347,14 @@ def test_a_base_value_of_the_wrong_type_is_named_before_it_becomes_the_runs(tmp_
     overrides = [*TINY_RUN, f"dataset.root={PUSHT_SLICE}", f"policy.path={base}"]
     with pytest.raises(ConfigError, match=rf"^{base / 'config.json'}: policy\.n_heads does not fit ACTConfig .*Fix: "):
         apply_policy_path(_compose(overrides), overrides)
+
+
+def test_config_json_names_lerobots_backbone_when_the_policy_builds_none() -> None:
+    """Our small CNN is lerobot_mg's only, but a policy without a camera builds no backbone at all: its config.json
+    says LeRobot's resnet18, so LeRobot loads it; with a camera the name stays (LeRobot could not build it)."""
+    config = ACTConfig(vision_backbone="lerobot_mg_cnn")
+    state = {"observation.state": {"type": "STATE", "shape": [2]}}
+    camera = {**state, "observation.image": {"type": "VISUAL", "shape": [3, 96, 96]}}
+    action = {"action": {"type": "ACTION", "shape": [2]}}
+    assert lerobot_config_dict(config, state, action)["vision_backbone"] == "resnet18"
+    assert lerobot_config_dict(config, camera, action)["vision_backbone"] == "lerobot_mg_cnn"
