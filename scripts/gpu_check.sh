@@ -18,6 +18,8 @@
 # 8. Host syncs per loop step: a short ACT run (one GPU, then FSDP2 on NCCL) under
 #    torch.cuda.set_sync_debug_mode("warn"), counting the synchronising CUDA calls of each loop step; a step that
 #    neither logs nor saves should have none (`bash scripts/gpu_check.sh sync` runs this part alone).
+# 9. LeRobot's ACT with its ResNet18 camera backbone (frozen batch norm) on CUDA, under FSDP2 on NCCL, with the EMA
+#    and the validation loss on a held-out episode every 10 steps (the evaluation gathers the weights over NCCL).
 # Each run prints, from its ledger: loss first -> last, samples/s of the last interval, data_frac, and the training
 # state per rank (rank_bytes.json), plus its checkpoint log lines (bytes and seconds per save).
 set -euo pipefail
@@ -184,6 +186,8 @@ run act_fsdp_bf16_eager      "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixe
 run act_fsdp_bf16_compile_ac "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 policy.dropout=0 \
     accelerator.compile=true accelerator.activation_checkpointing=true
 same_losses act_fsdp_bf16_compile_ac act_fsdp_bf16_eager 5e-2  # bf16: rounding differences are larger
+run act_resnet18_ema_val "${TR[@]}" parallelism.dp_shard=-1 policy.vision_backbone=resnet18 ema.enable=true \
+    dataset.val_episodes=1 eval.freq=10 eval.n_episodes=0
 sync_check "one GPU" $PY "$SYNC_PROBE"
 sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
     parallelism.dp_shard=-1
