@@ -108,9 +108,9 @@ def _free_run_objects(error: BaseException | None) -> None:
 def release_run_state(environ_before: dict[str, str], error: BaseException | None = None) -> None:
     """Tear down everything a run set up in this process (see the module docstring). Safe to call after a
     run that failed anywhere (``error``: what it raised), and when nothing was set up."""
-    _free_run_objects(error)  # while the process groups they hold are alive
     _restore_signal_handlers()
-    release_background_writers()  # before the process groups go: a DCP write uses one
+    release_background_writers()  # first: the failed run's managers are only weakly held; a DCP write uses a group
+    _free_run_objects(error)  # while the process groups they hold are alive
     _finish_wandb()
     _finish_trackio()
     _detach_run_logs()

@@ -70,6 +70,9 @@ def configure_headless_rendering() -> str | None:
 
 
 def assert_rendering_available() -> None:
+    if "MUJOCO_GL" not in os.environ and configure_headless_rendering() is not None:
+        # This process chose a backend earlier; code that restores os.environ (a finished run) removed it.
+        os.environ["MUJOCO_GL"] = configure_headless_rendering()  # type: ignore[assignment]
     backend = os.environ.get("MUJOCO_GL", "")
     if not backend:
         raise RuntimeError(

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.dist
 STEPS, SAVE_FREQ = 6, 3
 LR = 1e-4  # pusht_debug's: the adapters of matched runs are compared with tests/tolerances.py's Adam bounds
 LORA = [*TINY_RUN, "peft=lora", "peft.r=4", "peft.full_training_modules=[action_head]", f"steps={STEPS}",
-        f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=1", f"optimizer.lr={LR}"]
+        f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=1", f"optimizer.lr={LR}",
+        "policy.l1_reduction=per_sample"]  # layouts compared: each sample weighs the same on every rank
 RUNS = {  # name -> (processes, overrides); every run updates on global batches of 8
     "single": (1, ["batch_size=8"]),
     "fsdp2": (2, ["batch_size=4", "parallelism.dp_shard=2", "checkpoint.format=safetensors_dcp"]),

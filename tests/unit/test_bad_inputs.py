@@ -142,7 +142,7 @@ CATALOGUE = [
     BadInput("wrap_class_the_policy_lacks", [*SHARDED, "accelerator.fsdp.wrap_modules=[TransformerBlock]"],
              "accelerator.fsdp.wrap_modules=['TransformerBlock']: no module of class ['TransformerBlock'] in "
              "ACTPolicy, whose classes are ['ACT', 'ACTDecoder', 'ACTDecoderLayer', 'ACTDropout', 'ACTEncoder', "
-             "'ACTEncoderLayer'",
+             "'ACTEncoderLayer', 'ACTMultiheadAttention'",
              "accelerator.fsdp.wrap_modules=[<some of those classes>]", world_size=2),
     BadInput("wrap_modules_and_min_num_params", [*SHARDED, "accelerator.fsdp.wrap_modules=[ACTEncoderLayer]",
                                                  "accelerator.fsdp.min_num_params=1000"],

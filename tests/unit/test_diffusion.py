@@ -230,7 +230,10 @@ def test_save_pretrained_round_trip(tmp_path: Path, input_features: dict) -> Non
     assert config["type"] == "diffusion" and config["down_dims"] == [16, 32] and config["crop_shape"] == [16, 16]
     assert config["input_features"] == input_features and config["output_features"] == OUTPUTS
     assert "vision_channels" not in config  # lerobot_mg's own field: it lives in train_config.json
-    (tmp_path / "train_config.json").write_text(json.dumps({"policy": {"vision_channels": [8, 16]}}))
+    # As a run's pretrained_model/ holds it: the run's own policy section (config.json may name LeRobot's backbone
+    # for a policy that builds none).
+    (tmp_path / "train_config.json").write_text(json.dumps({"policy": {
+        "vision_channels": [8, 16], "vision_backbone": str(policy.config.vision_backbone)}}))
 
     loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, DiffusionPolicy) and not loaded.training and loaded.config == policy.config

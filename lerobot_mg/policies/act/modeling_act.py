@@ -107,13 +107,23 @@ def attention(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: 
     return F.linear(out, module.out_proj.weight, module.out_proj.bias).view(tgt_len, batch_size, embed_dim)
 
 
+class ACTMultiheadAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention (same parameters and state_dict names) whose call runs :func:`attention` and returns
+    the output alone. Called as a module, so that FSDP's hooks gather its parameters when it is a wrap unit of its
+    own (wrapping by size may pick it)."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,  # type: ignore[override]
+                key_padding_mask: Tensor | None = None) -> Tensor:
+        return attention(self, query, key, value, key_padding_mask)
+
+
 class ACTEncoderLayer(nn.Module):
     """Self-attention + feed-forward block (post-norm unless ``pre_norm``), sequence first; an FSDP wrap unit."""
 
     def __init__(self, config: ACTConfig) -> None:
         super().__init__()
         dim = config.dim_model
-        self.self_attn = nn.MultiheadAttention(dim, config.n_heads, dropout=config.dropout)
+        self.self_attn = ACTMultiheadAttention(dim, config.n_heads, dropout=config.dropout)
         self.linear1 = nn.Linear(dim, config.dim_feedforward)
         self.dropout = ACTDropout(config.dropout)
         self.linear2 = nn.Linear(config.dim_feedforward, dim)
@@ -131,7 +141,7 @@ class ACTEncoderLayer(nn.Module):
         x = self.norm1(x_SBD) if self.pre_norm else x_SBD
         query_key = x if pos_embed is None else x + pos_embed
         query, skip = (query_key[:1], x_SBD[:1]) if first_token_only else (query_key, x_SBD)
-        x = attention(self.self_attn, query, query_key, x, key_padding_mask_BS)
+        x = self.self_attn(query, query_key, x, key_padding_mask_BS)
         x = skip + self.dropout1(x)
         if self.pre_norm:
             skip = x
@@ -151,8 +161,8 @@ class ACTDecoderLayer(nn.Module):
     def __init__(self, config: ACTConfig) -> None:
         super().__init__()
         dim = config.dim_model
-        self.self_attn = nn.MultiheadAttention(dim, config.n_heads, dropout=config.dropout)
-        self.multihead_attn = nn.MultiheadAttention(dim, config.n_heads, dropout=config.dropout)
+        self.self_attn = ACTMultiheadAttention(dim, config.n_heads, dropout=config.dropout)
+        self.multihead_attn = ACTMultiheadAttention(dim, config.n_heads, dropout=config.dropout)
         self.linear1 = nn.Linear(dim, config.dim_feedforward)
         self.dropout = ACTDropout(config.dropout)
         self.linear2 = nn.Linear(config.dim_feedforward, dim)
@@ -170,7 +180,7 @@ class ACTDecoderLayer(nn.Module):
         skip = x_TBD
         x = self.norm1(x_TBD) if self.pre_norm else x_TBD
         query_key = x + decoder_pos_embed
-        x = attention(self.self_attn, query_key, query_key, x)
+        x = self.self_attn(query_key, query_key, x)
         x = skip + self.dropout1(x)
         if self.pre_norm:
             skip = x
@@ -178,7 +188,7 @@ class ACTDecoderLayer(nn.Module):
         else:
             x = self.norm1(x)
             skip = x
-        x = attention(self.multihead_attn, x + decoder_pos_embed, encoder_out_SBD + encoder_pos_embed, encoder_out_SBD)
+        x = self.multihead_attn(x + decoder_pos_embed, encoder_out_SBD + encoder_pos_embed, encoder_out_SBD)
         x = skip + self.dropout2(x)
         if self.pre_norm:
             skip = x
