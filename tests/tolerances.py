@@ -55,7 +55,7 @@ def assert_same_series(actual: Sequence[float], expected: Sequence[float], updat
 
 
 def weight_mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], num_updates: int,
-                      lr: float) -> list[str]:
+                      lr: float, flipped_fraction: float = FLIPPED_FRACTION) -> list[str]:
     """What keeps two state dicts from being the same training after ``num_updates`` Adam updates at ``lr``."""
     problems = [] if actual.keys() == expected.keys() else [f"keys differ: {sorted(actual.keys() ^ expected.keys())}"]
     for name in sorted(actual.keys() & expected.keys()):
@@ -68,7 +68,7 @@ def weight_mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch
         if not diff.numel():
             continue
         flipped = int((diff > lr / 10).sum())
-        if flipped > max(FLIPPED_MIN, FLIPPED_FRACTION * diff.numel()):
+        if flipped > max(FLIPPED_MIN, flipped_fraction * diff.numel()):
             problems.append(f"{name}: {flipped}/{diff.numel()} entries differ by more than lr/10")
         if diff.max() > ADAM_MAX_STEP * 2 * num_updates * lr:
             problems.append(f"{name}: {diff.max():.3g} is more than two Adam trajectories can part")
@@ -76,6 +76,6 @@ def weight_mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], num_updates: int,
-                        lr: float) -> None:
-    problems = weight_mismatches(actual, expected, num_updates, lr)
+                        lr: float, flipped_fraction: float = FLIPPED_FRACTION) -> None:
+    problems = weight_mismatches(actual, expected, num_updates, lr, flipped_fraction)
     assert not problems, "\n".join(problems)

@@ -42,6 +42,10 @@ pytestmark = pytest.mark.dist
 
 STEPS, SAVE_FREQ = 6, 3
 LR = 1e-4  # pusht_debug's: the adapters of matched runs are compared with tests/tolerances.py's Adam bounds
+# LoRA's A matrices get their gradient only through B, which starts at zero: their first updates act on gradients
+# near rounding level, and Adam turns those into full steps. Measured: HSDP-2x2 (micro-batch 2) parts from one
+# process in 12/256 entries of one A matrix after 6 updates, FSDP-2 in none; a real error moves most entries.
+LORA_FLIPPED_FRACTION = 0.05
 LORA = [*TINY_RUN, "peft=lora", "peft.r=4", "peft.full_training_modules=[action_head]", f"steps={STEPS}",
         f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=1", f"optimizer.lr={LR}",
         "policy.l1_reduction=per_sample"]  # layouts compared: each sample weighs the same on every rank
@@ -163,7 +167,7 @@ def test_sharded_runs_hold_a_shard_of_the_frozen_base(lora_run) -> None:  # noqa
 
 @pytest.mark.parametrize("name", ["fsdp2", "hsdp2x2"])
 def test_sharded_lora_matches_one_process(lora_run, name: str) -> None:  # noqa: ANN001
-    assert_same_weights(lora_run(name).adapter(), lora_run("single").adapter(), STEPS, LR)
+    assert_same_weights(lora_run(name).adapter(), lora_run("single").adapter(), STEPS, LR, LORA_FLIPPED_FRACTION)
 
 
 def test_adapter_checkpoints_in_every_format(lora_run) -> None:  # noqa: ANN001
@@ -234,7 +238,7 @@ def test_resume_reshards_hsdp_shards_to_one_process(lora_run, tmp_path: Path) ->
                        "batch_size=8"], nproc=1)
     assert (f"topology changed at resume (step {SAVE_FREQ}): HSDP: 2 replicas x 2 shards (mesh dp_replicate x "
             "dp_shard) -> single process") in resumed.stdout
-    assert_same_weights(resumed.adapter(), lora_run("single").adapter(), STEPS, LR)
+    assert_same_weights(resumed.adapter(), lora_run("single").adapter(), STEPS, LR, LORA_FLIPPED_FRACTION)
 
 
 def test_plain_fine_tuning_starts_from_the_base(bases: Bases, tmp_path: Path) -> None:
