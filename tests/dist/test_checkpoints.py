@@ -49,17 +49,21 @@ class ReferenceRun:
 
 
 SAVE_FREQ = 4
+# Every reference run (and every test that reruns one with spec.overrides): the resumed chains change the world
+# size, and LeRobot's per-rank masked L1 would weigh each rank's samples by its padding (tests/dist/conftest.py).
+PER_SAMPLE_L1 = "policy.l1_reduction=per_sample"
 # Every sharded run keeps the global batch at 16 (batch_size x dp_world_size), so runs on different topologies
 # see the same stream of global batches and test_resume can chain them.
 REFERENCE_RUNS = {
-    "single": ReferenceRun(1, 8, ("batch_size=16",)),
-    "ddp2_fp16": ReferenceRun(2, 8, ("accelerator.mixed_precision=fp16",)),
+    "single": ReferenceRun(1, 8, ("batch_size=16", PER_SAMPLE_L1)),
+    "ddp2_fp16": ReferenceRun(2, 8, ("accelerator.mixed_precision=fp16", PER_SAMPLE_L1)),
     # No dropout and no VAE sampling: with per-rank noise gone, a run resharded to another topology must land on
     # this run's weights up to float reduction order (test_resume).
     "fsdp2": ReferenceRun(2, 10, ("parallelism.dp_shard=2", "checkpoint.format=safetensors_dcp", "policy.dropout=0.0",
-                                  "policy.use_vae=false")),
+                                  "policy.use_vae=false", PER_SAMPLE_L1)),
     "hsdp2x2_bf16": ReferenceRun(
-        4, 8, ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "batch_size=4", "accelerator.mixed_precision=bf16")
+        4, 8, ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "batch_size=4", "accelerator.mixed_precision=bf16",
+               PER_SAMPLE_L1)
     ),
 }
 
@@ -73,10 +77,8 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
         if not final.is_file():
             shutil.rmtree(run_dir, ignore_errors=True)
             run_train(
-                # per_sample L1: the resumed chains change the world size, and LeRobot's per-rank masked mean
-                # would weigh each rank's samples by its padding (tests/dist/conftest.py says more).
                 [*TINY_RUN, f"steps={spec.steps}", f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=2",
-                 "policy.l1_reduction=per_sample", f"output_dir={run_dir}", *spec.overrides],
+                 f"output_dir={run_dir}", *spec.overrides],
                 nproc=spec.nproc, timeout=240,
             )
         return run_dir
