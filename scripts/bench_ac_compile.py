@@ -40,7 +40,8 @@ COMPOSITION_MIN_NUM_PARAMS = 20_000  # the small U-Net's size-rule units (tests/
 
 
 def _policy_configs(part: str) -> dict[str, Any]:
-    from lerobot_mg.policies import ACTConfig, DiffusionConfig
+    from lerobot_mg.policies.act import ACTConfig
+    from lerobot_mg.policies.diffusion import DiffusionConfig
 
     if part == "memory":
         return {"act": ACTConfig(chunk_size=50, n_action_steps=50, dropout=0.0),

@@ -36,7 +36,8 @@ import torch
 from benchmarking import BenchResult, GoalIs, report
 
 from lerobot_mg.config.schema import REPO_ROOT, TrainConfig
-from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
+from lerobot_mg.data import LeRobotDataset, ResumableBatchSampler
+from lerobot_mg.data.writer import LeRobotDatasetWriter
 
 FPS = 50  # ALOHA's
 HEIGHT, WIDTH = 240, 320  # the image preset's (make train-image)

@@ -90,3 +90,20 @@ def normalized_camera(name: str, camera: str) -> torch.Tensor:
     frames = reference(name)[f"input.{camera}.uint8"].float() / 255
     stats = normalizer_stats(name)
     return (frames - stats[f"{camera}.mean"]) / (stats[f"{camera}.std"] + EPS)
+
+
+def chunk_with_encoder_io(policy: torch.nn.Module, act: torch.nn.Module,
+                          batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``policy.predict_action_chunk`` on the batch's observations, with what ``act``'s transformer encoder saw
+    and gave (``tokens``, ``pos_embed``, ``out``), hooked: the fixtures store all three."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen.update(tokens=args[0], pos_embed=args[1], out=output)
+
+    handle = act.model.encoder.register_forward_hook(hook)
+    try:
+        chunk = policy.predict_action_chunk({k: v for k, v in batch.items() if not k.startswith("action")})
+    finally:
+        handle.remove()
+    return chunk, seen

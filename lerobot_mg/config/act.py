@@ -34,9 +34,8 @@ class ACTConfig(PolicyConfig):
 
     action_length_key: ClassVar[str] = "chunk_size"
     # Fields LeRobot's ACTConfig lacks: they live in train_config.json, never in config.json.
-    lerobot_mg_only_fields: ClassVar[frozenset[str]] = frozenset(
-        getattr(PolicyConfig, "lerobot_mg_only_fields", frozenset())
-    ) | {"vision_channels", "l1_reduction"}
+    lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"l1_reduction"}
+    camera_only_fields: ClassVar[dict[str, str]] = {"vision_backbone": VisionBackbone.resnet18.value}
 
     type: str = "act"
     chunk_size: int = 100

@@ -50,10 +50,7 @@ class DiffusionConfig(PolicyConfig):
     the 1-D temporal convolutional U-Net with FiLM conditioning, LeRobot 0.6.1's fields and defaults."""
 
     action_length_key: ClassVar[str] = "horizon"
-    # Written to train_config.json, not config.json (LeRobot's DiffusionConfig refuses unknown fields).
-    lerobot_mg_only_fields: ClassVar[frozenset[str]] = (
-        getattr(PolicyConfig, "lerobot_mg_only_fields", frozenset()) | {"path", "observation_keys", "vision_channels"}
-    )
+    camera_only_fields: ClassVar[dict[str, str]] = {"vision_backbone": VisionBackbone.resnet18.value}
 
     type: str = "diffusion"
     # Frames of observation history, frames of actions predicted (starting n_obs_steps - 1 frames in the past),

@@ -63,6 +63,10 @@ class PolicyConfig:
     action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
     # Fields config.json never holds (LeRobot would refuse them); a subclass adds its own with `|`.
     lerobot_mg_only_fields: ClassVar[frozenset[str]] = frozenset({"path", "observation_keys", "vision_channels"})
+    # Fields LeRobot reads only for a policy with a camera, with the value config.json gives them for a policy
+    # without one (it builds no image encoder, and LeRobot's loader refuses a choice of ours); the run's own value
+    # stays in train_config.json, which wins when the checkpoint is read back.
+    camera_only_fields: ClassVar[dict[str, str]] = {}
 
     type: str = ""
     # Frames of observation history the policy reads (1: the current frame only).

@@ -1,14 +1,12 @@
-from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+"""The policies (ACT, Diffusion Policy) with LeRobot 0.6.1's parameter names, and the registry that builds and loads
+them. Each policy lives in its own subpackage (``lerobot_mg.policies.act``, ``lerobot_mg.policies.diffusion``),
+imported where it is used: the registry imports a policy's module only when that policy is asked for."""
+
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy, delta_timestamps, features_from_dataset
-from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
-from lerobot_mg.policies.registry import POLICIES, get_policy_class, load_pretrained, make_policy
+from lerobot_mg.policies.registry import POLICY_MODULES, get_policy_class, load_pretrained, make_policy
 
 __all__ = [
-    "POLICIES",
-    "ACTConfig",
-    "ACTPolicy",
-    "DiffusionConfig",
-    "DiffusionPolicy",
+    "POLICY_MODULES",
     "FeatureSpec",
     "PreTrainedPolicy",
     "delta_timestamps",

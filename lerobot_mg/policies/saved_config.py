@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.checkpoint.layout import TRAIN_CONFIG_JSON
-from lerobot_mg.config.choices import FeatureType, VisionBackbone
+from lerobot_mg.config.choices import FeatureType
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.errors import ConfigError, config_error
@@ -52,15 +52,14 @@ def encode_config_value(value: Any) -> Any:
 def lerobot_config_dict(config: PolicyConfig, input_features: dict[str, FeatureSpec],
                         output_features: dict[str, FeatureSpec]) -> dict[str, Any]:
     """config.json as LeRobot 0.6.1 writes it: ``type`` first, then every field of the config that LeRobot has
-    (all but ``lerobot_mg_only_fields``) with the features after ``n_obs_steps``, as LeRobot orders them."""
+    (all but ``lerobot_mg_only_fields``) with the features after ``n_obs_steps``, as LeRobot orders them; a policy
+    without a camera writes its ``camera_only_fields`` with LeRobot's values."""
     values = {
         item.name: encode_config_value(getattr(config, item.name)) for item in fields(config)
         if item.name != "type" and item.name not in config.lerobot_mg_only_fields
     }
-    if values.get("vision_backbone") == VisionBackbone.lerobot_mg_cnn.value and not any(
-            spec["type"] == FeatureType.VISUAL.value for spec in input_features.values()):
-        # A policy without a camera builds no backbone: LeRobot's name keeps the checkpoint loadable there.
-        values["vision_backbone"] = VisionBackbone.resnet18.value
+    if not any(spec["type"] == FeatureType.VISUAL.value for spec in input_features.values()):
+        values.update(config.camera_only_fields)
     head = {"type": config.type, "n_obs_steps": values.pop("n_obs_steps"),
             "input_features": input_features, "output_features": output_features}
     return {**head, **values}
@@ -129,10 +128,10 @@ def read_saved_policy(directory: Path, key: str = "policy.path") -> SavedPolicy:
             saved_policy = json.loads(train_config_path.read_text()).get("policy") or {}
         except json.JSONDecodeError as error:
             raise ConfigError(f"{train_config_path}: is not valid JSON ({error}). Fix: {fix}") from error
-    # The lerobot_mg-only fields, and vision_backbone, which config.json names as LeRobot's where the policy builds
-    # no backbone (see lerobot_config_dict): the run's own record of it wins.
-    ours = {name: saved_policy[name] for name in sorted({*config_class.lerobot_mg_only_fields, "vision_backbone"})
-            if name in saved_policy}
+    # The lerobot_mg-only fields, and the camera-only ones, which config.json gives LeRobot's value where the
+    # policy has no camera (see lerobot_config_dict): the run's own record of them wins.
+    recorded = {*config_class.lerobot_mg_only_fields, *config_class.camera_only_fields}
+    ours = {name: saved_policy[name] for name in sorted(recorded) if name in saved_policy}
     values = _coerce_to_field_types(config_class, {**raw, **ours})
     return SavedPolicy(policy_type, values, features["input_features"], features["output_features"])
 

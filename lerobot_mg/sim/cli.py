@@ -13,9 +13,9 @@ from pathlib import Path
 from lerobot_mg import cli
 from lerobot_mg.checkpoint.layout import weights_dir
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.sim.env import EPISODE_LENGTH
+from lerobot_mg.sim.env import EPISODE_LENGTH, HELD_OUT_SEED_START
 from lerobot_mg.sim.evaluate import evaluate_expert, evaluate_policy
-from lerobot_mg.sim.generate import HELD_OUT_SEED_START, generate_dataset
+from lerobot_mg.sim.generate import generate_dataset
 
 
 @dataclass(frozen=True)

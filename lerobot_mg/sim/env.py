@@ -28,6 +28,9 @@ NUM_JOINTS = 14
 MAX_REWARD = 4
 EPISODE_LENGTH = 400
 CAMERA = "top"
+IMAGE_KEY = f"observation.images.{CAMERA}"
+# Evaluation seeds start here (conf: eval.seed_start), so dataset seeds must stay below it.
+HELD_OUT_SEED_START = 100_000
 # Largest offscreen buffer the ALOHA scene declares.
 MAX_IMAGE_HEIGHT, MAX_IMAGE_WIDTH = 480, 640
 

@@ -26,6 +26,8 @@ from lerobot_mg.processors import load_processors
 from lerobot_mg.sim.env import (
     EPISODE_LENGTH,
     FPS,
+    HELD_OUT_SEED_START,
+    IMAGE_KEY,
     MAX_REWARD,
     NUM_JOINTS,
     CameraRenderer,
@@ -33,7 +35,6 @@ from lerobot_mg.sim.env import (
     TransferCubeSim,
 )
 from lerobot_mg.sim.expert import record_expert_demo
-from lerobot_mg.sim.generate import HELD_OUT_SEED_START, IMAGE_KEY
 
 # Video frames are rendered at this size unless the policy itself watches a camera (then its size).
 VIDEO_SIZE = (240, 320)

@@ -24,9 +24,10 @@ from tqdm import tqdm
 from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.errors import config_error
 from lerobot_mg.sim.env import (
-    CAMERA,
     EPISODE_LENGTH,
     FPS,
+    HELD_OUT_SEED_START,
+    IMAGE_KEY,
     MAX_REWARD,
     NUM_JOINTS,
     CameraRenderer,
@@ -37,9 +38,6 @@ from lerobot_mg.sim.expert import record_expert_demo
 TASK = "Pick up the cube with the right arm and transfer it to the left arm."
 ROBOT_TYPE = "aloha"
 COMPLETE_MARKER = "generation_complete.json"
-# Evaluation seeds start here (conf: eval.seed_start), so dataset seeds must stay below it.
-HELD_OUT_SEED_START = 100_000
-IMAGE_KEY = f"observation.images.{CAMERA}"
 JOINT_NAMES = [
     f"{side}_{joint}"
     for side in ("left", "right")

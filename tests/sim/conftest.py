@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from lerobot_mg.sim import generate_dataset
+from lerobot_mg.sim.generate import generate_dataset
 from tests.launch_utils import shared_by_workers
 
 NUM_DATASET_EPISODES = 3

@@ -11,7 +11,9 @@ import pytest
 
 from lerobot_mg.data import LeRobotDataset
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies import ACTConfig, DiffusionConfig, make_policy
+from lerobot_mg.policies import make_policy
+from lerobot_mg.policies.act import ACTConfig
+from lerobot_mg.policies.diffusion import DiffusionConfig
 from lerobot_mg.processors import make_processors
 from lerobot_mg.sim import HELD_OUT_SEED_START, evaluate_policy
 from lerobot_mg.sim.cli import eval_main

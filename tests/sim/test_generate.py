@@ -14,9 +14,9 @@ from gym_aloha.constants import START_ARM_POSE
 
 from lerobot_mg.data import LeRobotDataset
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.sim import COMPLETE_MARKER, generate_dataset
 from lerobot_mg.sim.cli import make_dataset_main
 from lerobot_mg.sim.env import EPISODE_LENGTH, sample_cube_pose
+from lerobot_mg.sim.generate import COMPLETE_MARKER, generate_dataset
 
 pytestmark = pytest.mark.sim
 
@@ -150,8 +150,9 @@ def test_package_imports_without_the_sim_extra(tmp_path: Path) -> None:
         "import sys\n"
         "for name in ('mujoco', 'dm_control', 'gym_aloha'): sys.modules[name] = None\n"
         "import lerobot_mg.sim\n"
+        "import lerobot_mg.sim.generate\n"
         "try:\n"
-        f"    lerobot_mg.sim.generate_dataset({str(tmp_path / 'x')!r}, 1)\n"
+        f"    lerobot_mg.sim.generate.generate_dataset({str(tmp_path / 'x')!r}, 1)\n"
         "except ImportError as error:\n"
         "    print(error)\n"
     )

@@ -14,16 +14,15 @@ from safetensors.torch import load_file, save_file
 
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import (
-    POLICIES,
-    ACTConfig,
-    ACTPolicy,
-    DiffusionPolicy,
+    POLICY_MODULES,
     features_from_dataset,
     get_policy_class,
     load_pretrained,
     make_policy,
 )
+from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.policies.act.modeling_act import ACTDropout, ACTEncoder, attention
+from lerobot_mg.policies.diffusion import DiffusionPolicy
 from lerobot_mg.policies.vision import ResNet18FeatureMap
 from tests.launch_utils import PUSHT_SLICE
 
@@ -324,7 +323,7 @@ def test_default_config_is_valid_and_a_structured_hydra_schema() -> None:
 
 
 def test_registry() -> None:
-    assert POLICIES == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
+    assert {name: get_policy_class(name) for name in POLICY_MODULES} == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
     assert get_policy_class("act") is ACTPolicy
     with pytest.raises(
         ValueError, match=r"policy\.type='vqbet': is not a known policy\. Fix: policy=<one of act, diffusion>$"

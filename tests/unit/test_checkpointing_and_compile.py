@@ -17,7 +17,8 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, plan_units
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.optim import make_optimizer
-from lerobot_mg.policies import ACTConfig, ACTPolicy, DiffusionPolicy
+from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+from lerobot_mg.policies.diffusion import DiffusionPolicy
 from lerobot_mg.preflight import preflight
 from lerobot_mg.step import Stepper
 from tests.dist.test_fsdp_options import ToyPolicy

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
+from lerobot_mg.data import LeRobotDataset, ResumableBatchSampler
 from lerobot_mg.data.loader import endless_batches
+from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.errors import ConfigError
 from tests.data_aids import (
     IMAGE_KEY,

@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lerobot_mg.data import LeRobotDataset, LeRobotDatasetWriter, ResumableBatchSampler
+from lerobot_mg.data import LeRobotDataset, ResumableBatchSampler
+from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.policies.base import features_from_dataset
 from tests.data_aids import (
     IMAGE_KEY,

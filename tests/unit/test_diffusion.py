@@ -15,14 +15,9 @@ from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.data.sampler import sample_seeds
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import apply_policy_path
-from lerobot_mg.policies import (
-    DiffusionConfig,
-    DiffusionPolicy,
-    delta_timestamps,
-    load_pretrained,
-    make_policy,
-)
+from lerobot_mg.policies import delta_timestamps, load_pretrained, make_policy
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
+from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
 from tests.launch_utils import PUSHT_SLICE
 from tests.unit.test_config import _compose
 

@@ -32,3 +32,19 @@ def test_an_import_pointing_up_breaks_the_contract(tmp_path: Path) -> None:
     done = _lint(tmp_path)
     assert done.returncode != 0
     assert "lerobot_mg.config is not allowed to import lerobot_mg.train" in done.stdout, done.stdout
+
+
+def test_an_act_training_process_imports_only_the_libraries_it_uses() -> None:
+    """Every rank imports the training entry point: the libraries of another policy (diffusers), of the dataset
+    writer (pandas), of PEFT and of the simulator stay unimported until a run asks for them (a second or more of
+    start-up per process otherwise); building an ACT policy imports none of them either."""
+    unused = ["diffusers", "pandas", "peft", "transformers", "mujoco", "gym_aloha"]
+    code = ("import sys\n"
+            "import lerobot_mg.scripts_entry, lerobot_mg.train\n"
+            "from lerobot_mg.policies import get_policy_class\n"
+            "get_policy_class('act')\n"
+            f"print(sorted(name for name in {unused!r} if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env({"PYTHONPATH": str(REPO)}),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

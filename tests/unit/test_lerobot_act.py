@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.processors.normalize import load_processors
 from tests.lerobot_fixtures import (
+    chunk_with_encoder_io,
     config_json,
     fixture_state_dict,
     manifest,
@@ -98,16 +99,7 @@ def test_eval_mode_matches_lerobot(name: str) -> None:
     assert_loss(logs["l1_loss"], expected["eval.l1_loss"])
     assert float(logs["kld_loss"]) == 0.0
 
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        seen.update(tokens=args[0], pos_embed=args[1], out=output)
-
-    handle = policy.model.encoder.register_forward_hook(hook)
-    try:
-        chunk = policy.predict_action_chunk({k: v for k, v in batch.items() if not k.startswith("action")})
-    finally:
-        handle.remove()
+    chunk, seen = chunk_with_encoder_io(policy, policy, batch)
     assert_tensor(seen["tokens"], expected["eval.encoder_in_tokens"])
     assert_tensor(seen["pos_embed"], expected["eval.encoder_in_pos_embed"])
     assert_tensor(seen["out"], expected["eval.encoder_out"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lerobot_mg.policies import DiffusionConfig, DiffusionPolicy
+from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
 from lerobot_mg.policies.diffusion.modeling_diffusion import SpatialSoftmax
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1" / "diffusion_image"

@@ -26,7 +26,13 @@ from lerobot_mg.peft.lora import is_peft_model, load_policy
 from lerobot_mg.policies.act import ACTPolicy
 from lerobot_mg.processors.normalize import load_processors
 from tests.launch_utils import run_train
-from tests.lerobot_fixtures import FIXTURES, fixture_dir, pretrained_model_dir, reference
+from tests.lerobot_fixtures import (
+    FIXTURES,
+    chunk_with_encoder_io,
+    fixture_dir,
+    pretrained_model_dir,
+    reference,
+)
 from tests.unit.test_lerobot_format import FINETUNE, write_fixture_dataset
 
 LORA = "act_state_lora"
@@ -96,16 +102,7 @@ def test_lerobots_lora_checkpoint_gives_lerobots_numbers(merged: bool, monkeypat
     assert_loss(loss, expected["eval.loss"])
     assert_loss(logs["l1_loss"], expected["eval.l1_loss"])
 
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        seen.update(tokens=args[0], pos_embed=args[1], out=output)
-
-    handle = policy.model.encoder.register_forward_hook(hook)
-    try:
-        chunk = model.predict_action_chunk({k: v for k, v in batch.items() if not k.startswith("action")})
-    finally:
-        handle.remove()
+    chunk, seen = chunk_with_encoder_io(model, policy, batch)
     assert_tensor(seen["tokens"], expected["eval.encoder_in_tokens"])
     assert_tensor(seen["pos_embed"], expected["eval.encoder_in_pos_embed"])
     assert_tensor(seen["out"], expected["eval.encoder_out"])

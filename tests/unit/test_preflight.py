@@ -35,12 +35,13 @@ for name in ("read_table", "read_schema", "ParquetFile"):
 
     setattr(pq, name, recorded)
 
-from lerobot_mg.policies.registry import POLICIES
+from lerobot_mg.policies.registry import POLICY_MODULES, get_policy_class
 
-for policy_class in POLICIES.values():
+POLICY_CLASSES = [get_policy_class(name) for name in POLICY_MODULES]
+for policy_class in POLICY_CLASSES:
     def init(self, *args, _init=policy_class.__init__, **kwargs):
         _init(self, *args, **kwargs)
-        if type(self) in POLICIES.values():
+        if type(self) in POLICY_CLASSES:
             built.append(next(self.parameters()).device.type)
 
     policy_class.__init__ = init

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies import ACTConfig, features_from_dataset
+from lerobot_mg.policies import features_from_dataset
+from lerobot_mg.policies.act import ACTConfig
 from lerobot_mg.processors import (
     IMAGENET_STATS,
     DeviceStep,

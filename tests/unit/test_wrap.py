@@ -10,7 +10,8 @@ from torch import nn
 
 from lerobot_mg.distributed.wrap import find_split_ties, select_wrap_units, size_rule_options
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies import ACTConfig, ACTPolicy, DiffusionConfig, DiffusionPolicy
+from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
 
 
 class Block(nn.Module):
