@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from lerobot_mg.data import cache
-from lerobot_mg.data.meta import DEFAULT_FEATURES, REDOWNLOAD_ADVICE
+from lerobot_mg.data.meta import DEFAULT_FEATURES, REDOWNLOAD_ADVICE, read_parquet
 from lerobot_mg.errors import ConfigError
 
 
@@ -95,11 +94,11 @@ class FrameStore:
         """Every column of the data files, one at a time (the memory a build needs is one column's)."""
         order = None
         for column in ["episode_index", *[c for c in self.columns if c != "episode_index"]]:
-            parts = [pq.read_table(path, columns=[column]).column(0) for path in data_paths]
+            parts = [read_parquet(path, [column]).column(0) for path in data_paths]
             values = pa.chunked_array([chunk for part in parts for chunk in part.chunks])
             if order is None:
                 index = pa.chunked_array([chunk for path in data_paths
-                                          for chunk in pq.read_table(path, columns=["index"]).column(0).chunks])
+                                          for chunk in read_parquet(path, ["index"]).column(0).chunks])
                 order = pc.sort_indices(index)
             values = values.take(order)
             kind = self._kind(column)

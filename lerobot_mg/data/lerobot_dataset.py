@@ -24,12 +24,14 @@ step with the file named.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -47,9 +49,16 @@ from lerobot_mg.data.meta import (
     TASKS_PATH,
     VIDEO_PATH,
     DatasetMeta,
+    episode_column,
+    read_parquet,
 )
-from lerobot_mg.data.video import VideoFrameReader, video_frame_count
 from lerobot_mg.errors import ConfigError, config_error
+
+
+def _video() -> ModuleType:
+    """``lerobot_mg.data.video``, imported when a run reads a camera stored as video: PyAV takes about 0.3 s to
+    import, in every rank and DataLoader worker, and a run on states or PNG images never decodes a video."""
+    return importlib.import_module("lerobot_mg.data.video")
 
 
 def _decode_png(data: bytes) -> np.ndarray:
@@ -107,7 +116,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.num_episodes = len(self.episode_indices)
         self._load_frames(episodes_table)
         self._check_videos()
-        self._video_reader = VideoFrameReader()
+        self._video_reader = _video().VideoFrameReader() if self.video_keys else None
         # Cameras decode in parallel threads (PyAV releases the GIL while it decodes); one thread per camera.
         self._decode_pool: ThreadPoolExecutor | None = None
         self._decode_pool_pid = os.getpid()
@@ -141,7 +150,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         }
 
     def _load_tasks(self) -> dict[int, str]:
-        table = pq.read_table(self.root / TASKS_PATH)
+        table = read_parquet(self.root / TASKS_PATH)
         # pandas writes the task strings as its index: a column named after the index ("task" in
         # LeRobot's files) or "__index_level_0__" when the index was unnamed.
         for name in ("task", "__index_level_0__"):
@@ -159,8 +168,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         """Map the cache entry of the columns read (built on the first start) and lay out the selected episodes:
         ``_first[e]``, ``_length[e]``: dataset index of episode ``e``'s first frame and its frames; ``_shift[e]``:
         row of that frame in the cache minus the dataset index (frames of one episode are consecutive rows)."""
-        data_files = np.unique(np.stack([episodes_table.column("data/chunk_index").to_numpy(),
-                                         episodes_table.column("data/file_index").to_numpy()], axis=1), axis=0).tolist()
+        data_files = np.unique(np.stack([episode_column(episodes_table, "data/chunk_index"),
+                                         episode_column(episodes_table, "data/file_index")], axis=1), axis=0).tolist()
         data_template = self.info.get("data_path", DATA_PATH)
         data_paths = [self.root / data_template.format(chunk_index=chunk, file_index=file) for chunk, file in data_files]
         columns = self._check_data_files(data_paths)
@@ -182,11 +191,11 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
         # Per selected episode (in the order of its frames) and video key read: the mp4's chunk and file, and the
         # episode's start time inside that file.
-        table_index = episodes_table.column("episode_index").to_numpy()
+        table_index = episode_column(episodes_table, "episode_index")
         position = np.searchsorted(table_index, in_row_order)
         self._video_template = self.info.get("video_path") or VIDEO_PATH
         self._video_locations: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {
-            key: tuple(episodes_table.column(f"videos/{key}/{name}").to_numpy()[position]
+            key: tuple(episode_column(episodes_table, f"videos/{key}/{name}")[position]
                        for name in ("chunk_index", "file_index", "from_timestamp"))
             for key in self.video_keys
         }
@@ -241,7 +250,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                     "camera out of policy.observation_keys."
                 )
             frames_needed = round(end_s * self.fps)
-            frames = video_frame_count(path, self.fps)
+            frames = _video().video_frame_count(path, self.fps)
             if frames < frames_needed:
                 raise ConfigError(
                     f"{path}: holds {frames} frames but episode {episode} ends at {end_s:.3f}s in it "
@@ -334,7 +343,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         # Open video containers cannot cross a process boundary (DataLoader workers under spawn).
         state = self.__dict__.copy()
-        state["_video_reader"] = VideoFrameReader()
+        state["_video_reader"] = _video().VideoFrameReader() if self.video_keys else None
         state["_decode_pool"] = None  # threads do not cross a process boundary either
         for name in ("_numeric", "_images", "_strings"):  # the frame store maps its files again on the other side
             del state[name]

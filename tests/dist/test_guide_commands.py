@@ -8,7 +8,9 @@ real PushT slice) is laid out in a temporary LeRobot cache (``HF_LEROBOT_HOME``)
 ``${HF_USER}/my_base_policy`` in a temporary huggingface_hub cache (``HF_HOME``). Everything runs offline
 (``HF_HUB_OFFLINE=1``) under torchrun with gloo on this host: the 8- and 16-process examples are scaled to 4
 processes (``--nproc-per-node=8``, ``--parallelism.dp_shard=8`` become 2, on 2 nodes x 2 for the multi-node one:
-two torchrun invocations with ``--nnodes=2`` on 127.0.0.1).
+two torchrun invocations with ``--nnodes=2`` on 127.0.0.1). The FSDP command runs as typed on 4 processes; with
+each of the guide's two wrap flags appended it runs on 2 (``--nproc-per-node=2 --parallelism.dp_shard=2``): what
+those runs check is the flag, and a 4-process start costs about twice a 2-process one.
 
 Every flag of a command line is kept. What is appended, after the guide's flags, is what turns a run into a two-step
 test: ``--steps=2`` (``--steps=4`` under 4 accumulation steps, the smallest whole optimizer update), a tiny ACT on
@@ -189,11 +191,15 @@ WRAP_HERE = {"wrap_modules": flags(WRAP_FLAGS[0].replace("MyTransformerBlock", "
 def test_sharded_training(wrap: str | None, home: Path) -> None:
     run_dir = home / "outputs" / "train" / "my_policy_fsdp"
     shutil.rmtree(run_dir, ignore_errors=True)
+    typed = FSDP if wrap is None else FSDP.replace("--nproc-per-node=4", "--nproc-per-node=2").replace(
+        "--parallelism.dp_shard=4", "--parallelism.dp_shard=2")
     extra = WRAP_HERE[wrap] if wrap is not None else []
     # checkpoint_format=dcp (the guide's flag): the shards the conversion commands below merge.
-    result = launch([*expand(FSDP), *extra, *TWO_STEPS, *TINY_ACT, "--checkpoint_format=dcp"], home)
+    result = launch([*expand(typed), *extra, *TWO_STEPS, *TINY_ACT, "--checkpoint_format=dcp"], home)
     trained(result, run_dir)
-    assert "topology: FSDP2: 4 shards" in result.stdout
+    assert f"topology: FSDP2: {4 if wrap is None else 2} shards" in result.stdout
+    if wrap is not None:
+        assert "FSDP wrap units (accelerator.fsdp." + wrap in result.stdout, result.stdout[-4000:]
 
 
 def test_converting_dcp_checkpoints(home: Path) -> None:

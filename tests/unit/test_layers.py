@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.launch_utils import REPO, clean_env
+from tests.launch_utils import PUSHT_SLICE, REPO, clean_env
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
@@ -35,14 +35,20 @@ def test_an_import_pointing_up_breaks_the_contract(tmp_path: Path) -> None:
 
 
 def test_an_act_training_process_imports_only_the_libraries_it_uses() -> None:
-    """Every rank imports the training entry point: the libraries of another policy (diffusers), of the dataset
-    writer (pandas), of PEFT and of the simulator stay unimported until a run asks for them (a second or more of
-    start-up per process otherwise); building an ACT policy imports none of them either."""
-    unused = ["diffusers", "pandas", "peft", "transformers", "mujoco", "gym_aloha"]
+    """Every rank imports the training entry point: the libraries of another policy (diffusers), of PEFT, of the
+    simulator and of video decoding (PyAV) stay unimported until a run asks for them (a second or more of start-up
+    per process otherwise); building an ACT policy and reading the state items of the PushT slice import none of
+    them, nor pandas (which pyarrow imports when a table goes through its dataset layer or ``to_numpy``)."""
+    unused = ["diffusers", "pandas", "peft", "transformers", "mujoco", "gym_aloha", "av"]
     code = ("import sys\n"
             "import lerobot_mg.scripts_entry, lerobot_mg.train\n"
+            "from lerobot_mg.data.lerobot_dataset import LeRobotDataset\n"
+            "from lerobot_mg.data.meta import DatasetMeta\n"
             "from lerobot_mg.policies import get_policy_class\n"
             "get_policy_class('act')\n"
+            f"dataset = LeRobotDataset(DatasetMeta.read({str(PUSHT_SLICE)!r}), {{'action': [0.0, 0.1]}}, [0, 1],\n"
+            "                         keys=['observation.state', 'action'])\n"
+            "dataset[0], dataset[len(dataset) - 1]\n"
             f"print(sorted(name for name in {unused!r} if name in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env({"PYTHONPATH": str(REPO)}),
                           capture_output=True, text=True, timeout=300)

@@ -89,14 +89,16 @@ def test_a_wheel_installed_elsewhere_trains_the_debug_preset_from_another_direct
     assert made.returncode == 0, made.stdout
     python = bin_dir / Path(sys.executable).name
     site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    # Without this checkout on PYTHONPATH: pip would find its lerobot_mg.egg-info there, call the wheel installed
+    # already and copy nothing.
+    env = {key: value for key, value in clean_env().items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     installed = _run([PYTHON, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-                     env=clean_env())
+                     env=env)
     assert installed.returncode == 0, installed.stdout[-6000:]
     # The dependencies: the running environment's site-packages, after the venv's own (where the wheel went).
     dependencies = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
     (site / "running_environment.pth").write_text("".join(f"{path}\n" for path in dependencies))
 
-    env = {key: value for key, value in clean_env().items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = _run([python, "-c", "import lerobot_mg, lerobot_mg.config.loading as loading; "
