@@ -33,6 +33,7 @@ class ACTConfig(PolicyConfig):
     (no observation history)."""
 
     action_length_key: ClassVar[str] = "chunk_size"
+    policy_class_path: ClassVar[str] = "lerobot_mg.policies.act.modeling_act:ACTPolicy"
     # Fields LeRobot's ACTConfig lacks: they live in train_config.json, never in config.json.
     lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"l1_reduction"}
     camera_only_fields: ClassVar[dict[str, str]] = {"vision_backbone": VisionBackbone.resnet18.value}

@@ -50,6 +50,7 @@ class DiffusionConfig(PolicyConfig):
     the 1-D temporal convolutional U-Net with FiLM conditioning, LeRobot 0.6.1's fields and defaults."""
 
     action_length_key: ClassVar[str] = "horizon"
+    policy_class_path: ClassVar[str] = "lerobot_mg.policies.diffusion.modeling_diffusion:DiffusionPolicy"
     camera_only_fields: ClassVar[dict[str, str]] = {"vision_backbone": VisionBackbone.resnet18.value}
 
     type: str = "diffusion"

@@ -61,6 +61,9 @@ class PolicyConfig:
     """
 
     action_length_key: ClassVar[str]  # the field that sets len(action_delta_indices), e.g. chunk_size
+    # "<module>:<class>" of the policy this config builds. A name, not an import: the policies layer sits above this
+    # one, and a run imports only its own policy's module (lerobot_mg.policies.registry).
+    policy_class_path: ClassVar[str]
     # Fields config.json never holds (LeRobot would refuse them); a subclass adds its own with `|`.
     lerobot_mg_only_fields: ClassVar[frozenset[str]] = frozenset({"path", "observation_keys", "vision_channels"})
     # Fields LeRobot reads only for a policy with a camera, with the value config.json gives them for a policy

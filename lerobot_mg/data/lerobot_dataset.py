@@ -32,6 +32,7 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +54,9 @@ from lerobot_mg.data.meta import (
     read_parquet,
 )
 from lerobot_mg.errors import ConfigError, config_error
+
+if TYPE_CHECKING:
+    from lerobot_mg.data.video import VideoFrameReader
 
 
 def _video() -> ModuleType:
@@ -116,7 +120,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.num_episodes = len(self.episode_indices)
         self._load_frames(episodes_table)
         self._check_videos()
-        self._video_reader = _video().VideoFrameReader() if self.video_keys else None
+        self._video_reader = self._new_video_reader()
         # Cameras decode in parallel threads (PyAV releases the GIL while it decodes); one thread per camera.
         self._decode_pool: ThreadPoolExecutor | None = None
         self._decode_pool_pid = os.getpid()
@@ -148,6 +152,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
             }
             for key, feature_stats in raw.items()
         }
+
+    def _new_video_reader(self) -> VideoFrameReader | None:
+        """A ``VideoFrameReader`` with no file open yet, or None when no video key is read."""
+        return _video().VideoFrameReader() if self.video_keys else None
 
     def _load_tasks(self) -> dict[int, str]:
         table = read_parquet(self.root / TASKS_PATH)
@@ -343,7 +351,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         # Open video containers cannot cross a process boundary (DataLoader workers under spawn).
         state = self.__dict__.copy()
-        state["_video_reader"] = _video().VideoFrameReader() if self.video_keys else None
+        state["_video_reader"] = self._new_video_reader()
         state["_decode_pool"] = None  # threads do not cross a process boundary either
         for name in ("_numeric", "_images", "_strings"):  # the frame store maps its files again on the other side
             del state[name]

@@ -3,10 +3,9 @@ them. Each policy lives in its own subpackage (``lerobot_mg.policies.act``, ``le
 imported where it is used: the registry imports a policy's module only when that policy is asked for."""
 
 from lerobot_mg.policies.base import FeatureSpec, PreTrainedPolicy, delta_timestamps, features_from_dataset
-from lerobot_mg.policies.registry import POLICY_MODULES, get_policy_class, load_pretrained, make_policy
+from lerobot_mg.policies.registry import get_policy_class, load_pretrained, make_policy
 
 __all__ = [
-    "POLICY_MODULES",
     "FeatureSpec",
     "PreTrainedPolicy",
     "delta_timestamps",

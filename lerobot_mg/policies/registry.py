@@ -14,18 +14,12 @@ from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.policies.base import PreTrainedPolicy, features_from_dataset
 from lerobot_mg.policies.saved_config import read_saved_policy
 
-# The same names as the config layer's POLICY_CONFIGS -> (module, class); each class's config_class is the config
-# registered there. A policy's module is imported when the policy is first asked for, so that a run imports only
-# its own policy's libraries (Diffusion Policy's diffusers schedulers cost every process about a second).
-POLICY_MODULES: dict[str, tuple[str, str]] = {
-    "act": ("lerobot_mg.policies.act.modeling_act", "ACTPolicy"),
-    "diffusion": ("lerobot_mg.policies.diffusion.modeling_diffusion", "DiffusionPolicy"),
-}
-
 
 def get_policy_class(name: str) -> type[PreTrainedPolicy]:
-    policy_config_class(name)  # refuses an unknown name
-    module, class_name = POLICY_MODULES[name]
+    """The policy class of the config registered as ``name`` (its ``policy_class_path``). Its module is imported
+    when the policy is first asked for, so that a run imports only its own policy's libraries (Diffusion Policy's
+    diffusers schedulers cost every process about a second)."""
+    module, class_name = policy_config_class(name).policy_class_path.split(":")  # refuses an unknown name
     return getattr(importlib.import_module(module), class_name)
 
 

@@ -27,7 +27,8 @@ def test_train_then_evaluate_five_episodes(state_dataset: tuple[Path, dict], tmp
     run_dir = tmp_path / "run"
     proc = run_train([
         "experiment=aloha_state", f"dataset.root={root}", f"output_dir={run_dir}", "steps=6", "batch_size=8",
-        "log_freq=3", "eval.n_episodes=5", f"eval.max_steps={MAX_STEPS}", "logging.progress_bar=false", "logging.wandb.mode=disabled",
+        "log_freq=3", "eval.n_episodes=5", f"eval.max_steps={MAX_STEPS}", "logging.progress_bar=false",
+        "logging.wandb.mode=disabled",
         "policy.dim_model=64", "policy.dim_feedforward=128", "policy.n_encoder_layers=1",
     ], timeout=400)
     result = json.loads((run_dir / "eval_info.json").read_text())

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
+from lerobot_mg.config.schema import POLICY_CONFIGS
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies import (
-    POLICY_MODULES,
     features_from_dataset,
     get_policy_class,
     load_pretrained,
@@ -323,7 +323,8 @@ def test_default_config_is_valid_and_a_structured_hydra_schema() -> None:
 
 
 def test_registry() -> None:
-    assert {name: get_policy_class(name) for name in POLICY_MODULES} == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
+    assert {name: get_policy_class(name) for name in POLICY_CONFIGS} == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
+    assert all(get_policy_class(name).config_class is config for name, config in POLICY_CONFIGS.items())
     assert get_policy_class("act") is ACTPolicy
     with pytest.raises(
         ValueError, match=r"policy\.type='vqbet': is not a known policy\. Fix: policy=<one of act, diffusion>$"

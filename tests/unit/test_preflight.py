@@ -35,9 +35,10 @@ for name in ("read_table", "read_schema", "ParquetFile"):
 
     setattr(pq, name, recorded)
 
-from lerobot_mg.policies.registry import POLICY_MODULES, get_policy_class
+from lerobot_mg.config.schema import POLICY_CONFIGS
+from lerobot_mg.policies.registry import get_policy_class
 
-POLICY_CLASSES = [get_policy_class(name) for name in POLICY_MODULES]
+POLICY_CLASSES = [get_policy_class(name) for name in POLICY_CONFIGS]
 for policy_class in POLICY_CLASSES:
     def init(self, *args, _init=policy_class.__init__, **kwargs):
         _init(self, *args, **kwargs)
