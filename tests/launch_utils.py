@@ -1,7 +1,11 @@
-"""Launch real training processes from tests: python, torchrun or accelerate launch, with a watchdog.
+"""Launch real training processes from tests: python, torchrun, accelerate launch or spawned ranks, with a watchdog.
 
 Every launch runs with OMP_NUM_THREADS=1, without inherited accelerate variables, and is killed after
 ``timeout`` seconds so a deadlock fails the test instead of hanging CI.
+
+A multi-process run is started as spawned ranks unless the test is about a launcher: each rank is a process of its
+own given the variables torchrun gives its workers (as ``srun`` does under SLURM), which trains exactly as under
+torchrun without a launcher process that imports torch for every run.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -106,12 +112,57 @@ def launch_command(nproc: int, launcher: str, script: Path | str = TRAIN_SCRIPT)
     raise ValueError(launcher)
 
 
+def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun sets for worker ``rank`` of a one-node job of ``nproc`` processes."""
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. A rank that fails
+    gets the others a SIGTERM, as torchrun does; the exit status is the first failing rank's (0 when all succeed)."""
+    port = free_port()
+    read_end, write_end = os.pipe()
+    try:
+        ranks = [subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), cwd=cwd, stdout=write_end,
+                                  stderr=subprocess.STDOUT) for rank in range(nproc)]
+    finally:
+        os.close(write_end)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_end, 1 << 16), b"")), daemon=True)
+    reader.start()
+    deadline, failed = time.monotonic() + timeout, None
+    while any(rank.poll() is None for rank in ranks):
+        if time.monotonic() > deadline:
+            for rank in ranks:
+                kill_tree(rank)
+            reader.join(timeout=30)
+            out = b"".join(chunks).decode(errors="replace")
+            raise AssertionError(f"watchdog: {nproc} ranks of {cmd} ran over {timeout}s\n{out[-6000:]}")
+        if failed is None and (failed := next((r.returncode for r in ranks if r.returncode), None)) is not None:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.terminate()
+        time.sleep(0.1)  # torchrun's monitor interval
+    reader.join(timeout=30)
+    os.close(read_end)
+    returncode = failed if failed is not None else next((r.returncode for r in ranks if r.returncode), 0)
+    return subprocess.CompletedProcess(cmd, returncode, b"".join(chunks).decode(errors="replace"), None)
+
+
 def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None, timeout: float = 300,
               env: dict[str, str] | None = None, check: bool = True, cwd: Path | None = None,
               script: Path | str = TRAIN_SCRIPT) -> subprocess.CompletedProcess:
     """Run ``script`` (default scripts/train.py) for real; returns the completed process (stdout+stderr in
-    .stdout). ``overrides`` are its arguments."""
-    launcher = launcher or ("python" if nproc == 1 else "torchrun")
+    .stdout). ``overrides`` are its arguments. ``launcher``: python (one process), spawn (the default for more),
+    torchrun or accelerate."""
+    launcher = launcher or ("python" if nproc == 1 else "spawn")
+    if launcher == "spawn":
+        proc = spawn_ranks([*launch_command(1, "python", script), *overrides], nproc, clean_env(env), cwd or REPO,
+                           timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{proc.args} on {nproc} ranks exited {proc.returncode}\n{proc.stdout[-8000:]}")
+        return proc
     cmd = [*launch_command(nproc, launcher, script), *overrides]
     proc = subprocess.Popen(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -3,11 +3,11 @@
 Two kinds of launch:
 
 * ``scripts/train.py`` through ``tests.launch_utils.run_train`` for what a user runs end to end;
-* this file itself as a torchrun script (``python -m torch.distributed.run ... test_fsdp_options.py
-  <scenario> <out_dir>``) for checks that must look inside the processes. A scenario builds the real
-  accelerator factory, shards a toy policy with ``prepare_units``, steps it with the real ``Stepper`` and writes
-  one json per rank that the tests assert on. One launch serves several tests (module-scoped fixtures)
-  because a torchrun start costs seconds.
+* this file itself as 2 spawned ranks (``tests.launch_utils.spawn_ranks``: ``python test_fsdp_options.py
+  <scenario> <out_dir>`` with torchrun's variables) for checks that must look inside the processes. A scenario
+  builds the real accelerator factory, shards a toy policy with ``prepare_units``, steps it with the real
+  ``Stepper`` and writes one json per rank that the tests assert on. One launch serves several tests
+  (module-scoped fixtures) because a start costs seconds.
 
 Finding on the installed torch (2.13), asserted by
 ``test_mixed_precision_policy_is_built_from_its_fields_alone``: with
@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -53,7 +52,7 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import plan_units
 from lerobot_mg.step import Stepper
 from tests.dist.conftest import DETERMINISTIC_RUN, LAYOUT_RUNS
-from tests.launch_utils import PYTHON, REPO, clean_env, free_port, interval_metrics, last_weights, run_train
+from tests.launch_utils import PYTHON, REPO, clean_env, interval_metrics, last_weights, run_train, spawn_ranks
 from tests.tolerances import assert_same_series, assert_same_weights
 
 if TYPE_CHECKING:
@@ -118,7 +117,7 @@ def _toy_batch(step: int, rank: int, batch_size: int = 4) -> dict[str, torch.Ten
     }
 
 
-# --- the scenarios (run inside torchrun, on every rank) -----------------------------------------------------
+# --- the scenarios (run on every rank) ----------------------------------------------------------------------
 
 
 def _setup(
@@ -355,33 +354,10 @@ def _scenario_main(name: str, out_dir: str) -> None:
 
 
 def _run_scenario(name: str, out_dir: Path, timeout: float = 180) -> list[dict[str, Any]]:
-    """Launch this file under torchrun on 2 ranks; the per-rank results. A hang fails after ``timeout``."""
+    """Launch this file as 2 ranks; the per-rank results. A hang fails after ``timeout``."""
     out_dir.mkdir(parents=True)
-    cmd = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(Path(__file__).resolve()),
-        name,
-        str(out_dir),
-    ]
-    try:
-        proc = subprocess.run(
-            cmd,
-            env=clean_env({"PYTHONPATH": str(REPO)}),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as error:
-        output = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
-        raise AssertionError(f"watchdog: scenario {name} ran over {timeout}s\n{output[-6000:]}") from None
+    proc = spawn_ranks([PYTHON, str(Path(__file__).resolve()), name, str(out_dir)], 2,
+                       clean_env({"PYTHONPATH": str(REPO)}), REPO, timeout)
     assert proc.returncode == 0, f"scenario {name} exited {proc.returncode}\n{proc.stdout[-8000:]}"
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
 

@@ -34,7 +34,8 @@ def _stop_and_resume(tmp_path: Path, reference: Path, name: str, fault: str, sig
     run_dir = tmp_path / "stopped"
     overrides = [*TINY_RUN, f"steps={spec.steps}", f"checkpoint.save_freq={SAVE_FREQ}", "log_freq=2",
                  f"output_dir={run_dir}", *spec.overrides]
-    proc = run_train(overrides, nproc=spec.nproc, timeout=240, env={FAULT_ENV: fault}, check=False)
+    proc = run_train(overrides, nproc=spec.nproc, launcher="torchrun" if spec.nproc > 1 else None, timeout=240,
+                     env={FAULT_ENV: fault}, check=False)
     out = proc.stdout
     match = _STOPPED.search(out)
     assert match, out[-6000:]

@@ -30,7 +30,8 @@ def _alive_at_destroy(stdout: str) -> dict[int, list[int]]:
 @pytest.mark.parametrize("stop", [None, "sigint@rank0:step3"], ids=["finished", "stopped_by_sigint"])
 def test_ddp_wrapper_is_freed_before_the_process_groups(tmp_path: Path, stop: str | None) -> None:
     proc = run_train([*DETERMINISTIC_RUN, "batch_size=4", "steps=6", f"output_dir={tmp_path / 'run'}"], nproc=2,
-                     script=PROBE, timeout=180, env={FAULT_ENV: stop} if stop else None, check=stop is None)
+                     launcher="torchrun" if stop else None, script=PROBE, timeout=180,
+                     env={FAULT_ENV: stop} if stop else None, check=stop is None)
     if stop is not None:
         assert f"exitcode  : {128 + signal.SIGINT}" in proc.stdout, proc.stdout[-4000:]  # torchrun itself exits 1
         assert re.search(r"stopped at loop step \d+ on SIGINT: checkpoint", proc.stdout), proc.stdout[-4000:]

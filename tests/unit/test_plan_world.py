@@ -26,7 +26,7 @@ def test_the_plan_of_2_ranks_from_one_process_equals_the_plan_under_torchrun(tmp
     common = [*TINY_RUN, "plan=true", "parallelism.dp_shard=2", "batch_size=4", "plan_device_memory_gib=64",
               f"output_dir={tmp_path / 'never_written'}"]
     planned = run_train([*common, "plan_world_size=2"], timeout=120).stdout
-    launched = run_train(common, nproc=2, timeout=120).stdout
+    launched = run_train(common, nproc=2, launcher="torchrun", timeout=120).stdout
     assert _plan_lines(planned) == _plan_lines(launched), planned[-3000:]
     assert "memory plan: FSDP2: 2 shards; batch_size 4 x dp_world_size 2 x grad_accum 1 = effective batch 8" in planned
     assert "  fit: each rank holds 0.00 GiB" in planned and "<= plan_device_memory_gib=64 64.00 GiB" in planned
