@@ -126,6 +126,9 @@ def releases_run_state(train_fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(train_fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         environ_before = dict(os.environ)
+        # What this process held before the run (the imported modules, the composed config) is not the run's:
+        # frozen, it is left out of the collections, the teardown's included, which then cost what the run made.
+        gc.freeze()
         try:
             result = train_fn(*args, **kwargs)
         except BaseException as error:
