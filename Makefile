@@ -37,8 +37,9 @@ train-diffusion: setup
 	$(PY) scripts/train.py experiment=aloha_diffusion
 
 # The whole suite: real multi-process runs on gloo; the SLURM tests skip without a cluster (make slurm-local).
-# Two pytest-xdist workers, one test file at a time each; TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers, one test file at a time each: on 2 cores the third keeps the CPUs busy while a test
+# waits on its ranks, a disk sync or SLURM. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
