@@ -6,6 +6,7 @@ others through lerobot_mg/cli.py; ``--help`` lists the keys.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -22,6 +23,10 @@ USER_ERROR_GRACE_S = 5.0
 
 
 def train() -> None:
+    # The imports below (torch and the trainer) create a few hundred thousand objects that live as long as the
+    # process. Collected while they load, they are scanned over and over by full collections (about 0.8 s of a
+    # start); loaded with the collector off and then frozen, they are never scanned.
+    gc.disable()
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf
@@ -36,8 +41,13 @@ def train() -> None:
         override_keys,
         run_config,
     )
+    from lerobot_mg.distributed.faults import report_failure
+    from lerobot_mg.launch.sweep import prepare_sweep_job
     from lerobot_mg.peft.base import apply_policy_path
+    from lerobot_mg.train import train as run_training
 
+    gc.freeze()
+    gc.enable()
     sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
     try:  # before Hydra composes: it would list the presets (or the allowed words) over several lines and exit 1
         check_presets(sys.argv[1:])
@@ -52,10 +62,6 @@ def train() -> None:
     @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _main(composed: DictConfig) -> dict:
         from hydra.types import RunMode
-
-        from lerobot_mg.distributed.faults import report_failure
-        from lerobot_mg.launch.sweep import prepare_sweep_job
-        from lerobot_mg.train import train as run_training
 
         logging.getLogger("lerobot_mg").setLevel(logging.INFO)
         hydra_cfg = HydraConfig.get()
