@@ -131,23 +131,40 @@ def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, time
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_end, 1 << 16), b"")), daemon=True)
     reader.start()
+
+    def first_failure() -> int | None:
+        return next((rank.returncode for rank in ranks if rank.returncode), None)
+
     deadline, failed = time.monotonic() + timeout, None
-    while any(rank.poll() is None for rank in ranks):
-        if time.monotonic() > deadline:
-            for rank in ranks:
-                kill_tree(rank)
-            reader.join(timeout=30)
-            out = b"".join(chunks).decode(errors="replace")
-            raise AssertionError(f"watchdog: {nproc} ranks of {cmd} ran over {timeout}s\n{out[-6000:]}")
-        if failed is None and (failed := next((r.returncode for r in ranks if r.returncode), None)) is not None:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.terminate()
-        time.sleep(0.1)  # torchrun's monitor interval
-    reader.join(timeout=30)
-    os.close(read_end)
-    returncode = failed if failed is not None else next((r.returncode for r in ranks if r.returncode), 0)
+    try:
+        while any(rank.poll() is None for rank in ranks):
+            if time.monotonic() > deadline:
+                for rank in ranks:
+                    kill_tree(rank)
+                reader.join(timeout=30)
+                out = b"".join(chunks).decode(errors="replace")
+                raise AssertionError(f"watchdog: {nproc} ranks of {cmd} ran over {timeout}s\n{out[-6000:]}")
+            if failed is None and (failed := first_failure()) is not None:
+                for rank in ranks:
+                    if rank.poll() is None:
+                        rank.terminate()
+            time.sleep(0.1)  # torchrun's monitor interval
+        reader.join(timeout=30)
+    finally:
+        os.close(read_end)
+    returncode = failed if failed is not None else first_failure() or 0
     return subprocess.CompletedProcess(cmd, returncode, b"".join(chunks).decode(errors="replace"), None)
+
+
+def _run_launcher(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output
+        kill_tree(proc)
+        stdout, _ = proc.communicate()
+        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{(stdout or '')[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, None)
 
 
 def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None, timeout: float = 300,
@@ -160,21 +177,11 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
     if launcher == "spawn":
         proc = spawn_ranks([*launch_command(1, "python", script), *overrides], nproc, clean_env(env), cwd or REPO,
                            timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{proc.args} on {nproc} ranks exited {proc.returncode}\n{proc.stdout[-8000:]}")
-        return proc
-    cmd = [*launch_command(nproc, launcher, script), *overrides]
-    proc = subprocess.Popen(cmd, env=clean_env(env), cwd=cwd or REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output
-        kill_tree(proc)
-        stdout, _ = proc.communicate()
-        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{(stdout or '')[-6000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, None)
+    else:
+        proc = _run_launcher([*launch_command(nproc, launcher, script), *overrides], clean_env(env), cwd or REPO,
+                             timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-8000:]}")
+        raise AssertionError(f"{proc.args} on {nproc} process(es) exited {proc.returncode}\n{proc.stdout[-8000:]}")
     return proc
 
 
