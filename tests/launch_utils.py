@@ -156,7 +156,9 @@ def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, time
     return subprocess.CompletedProcess(cmd, returncode, b"".join(chunks).decode(errors="replace"), None)
 
 
-def _run_launcher(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end (stdout+stderr in .stdout); past ``timeout`` it and every process below it are killed
+    and the test fails with the output."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)
@@ -178,7 +180,7 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
         proc = spawn_ranks([*launch_command(1, "python", script), *overrides], nproc, clean_env(env), cwd or REPO,
                            timeout)
     else:
-        proc = _run_launcher([*launch_command(nproc, launcher, script), *overrides], clean_env(env), cwd or REPO,
+        proc = run_watched([*launch_command(nproc, launcher, script), *overrides], clean_env(env), cwd or REPO,
                              timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{proc.args} on {nproc} process(es) exited {proc.returncode}\n{proc.stdout[-8000:]}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import PUSHT_SLICE, PYTHON, clean_env, free_port, kill_tree
+from tests.launch_utils import PUSHT_SLICE, PYTHON, clean_env, free_port, kill_tree, run_watched
 
 HF_USER = "me"
 BIN = Path(PYTHON).parent
@@ -128,15 +128,7 @@ def env_of(home: Path) -> dict[str, str]:
 
 
 def launch(argv: list[str], home: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(argv, env=env_of(home), cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"watchdog: {argv} ran over {TIMEOUT_S}s\n{(out or '')[-6000:]}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+    return run_watched(argv, env_of(home), home, TIMEOUT_S)
 
 
 def trained(result: subprocess.CompletedProcess, run_dir: Path, steps: int = 2) -> None:
