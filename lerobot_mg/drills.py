@@ -14,8 +14,10 @@ start (a resumed process counts from its first step). Actions:
   rank: what ``scancel``, Kubernetes or a time limit does to a job), and waits until the launcher's SIGTERM reached
   it, so the run stops at a step that does not depend on how fast the launcher forwards it.
 
-Before acting, the rank prints one line naming the rank and the step to stderr. ``train()`` passes the drill to
-the :class:`~lerobot_mg.step.Stepper` as its ``after_backward`` hook; without the variable there is no hook.
+Before acting, the rank prints one line naming the rank and the step to stderr. ``train()`` builds its stepper with
+:func:`stepper_type`: the rank the variable names gets a :class:`DrillStepper`, which runs the drill after each
+backward; without the variable, and on every other rank, it is the plain :class:`~lerobot_mg.step.Stepper`, whose
+loop step holds no drill code.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from lerobot_mg.step import Stepper
 
 FAULT_ENV = "LEROBOT_MG_FAULT"
 _SPEC = re.compile(r"(?P<action>\w+)@rank(?P<rank>\d+):step(?P<step>\d+)")
@@ -101,8 +109,8 @@ class FaultDrill:
         raise FaultDrillError(f"fault drill: injected failure on rank {self.rank} at loop step {self.step}")
 
 
-def fault_drill(rank: int) -> Callable[[], None] | None:
-    """The ``after_backward`` hook ``LEROBOT_MG_FAULT`` asks of this rank, or None (no variable, another rank)."""
+def fault_drill(rank: int) -> FaultDrill | None:
+    """The drill ``LEROBOT_MG_FAULT`` asks of this rank, or None (no variable, another rank)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
@@ -112,4 +120,24 @@ def fault_drill(rank: int) -> Callable[[], None] | None:
         actions = "|".join(action.value for action in FaultAction)
         raise RuntimeError(f"{FAULT_ENV}={spec!r}: expected <{actions}>@rank<R>:step<N>, e.g. kill@rank1:step5")
     drill = FaultDrill(FaultAction(match["action"]), int(match["rank"]), int(match["step"]))
-    return drill.after_backward if drill.rank == rank else None
+    return drill if drill.rank == rank else None
+
+
+class DrillStepper(Stepper):
+    """A :class:`~lerobot_mg.step.Stepper` whose every loop step runs ``drill`` after its backward, before the
+    optimizer update."""
+
+    def __init__(self, drill: FaultDrill, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drill = drill
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self.drill.after_backward()
+
+
+def stepper_type(rank: int) -> Callable[..., Stepper]:
+    """What builds this rank's stepper (with :class:`~lerobot_mg.step.Stepper`'s arguments): the plain Stepper, or
+    where ``LEROBOT_MG_FAULT`` names this rank, a :class:`DrillStepper` with the drill it asks for."""
+    drill = fault_drill(rank)
+    return Stepper if drill is None else partial(DrillStepper, drill)

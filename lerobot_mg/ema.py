@@ -15,15 +15,19 @@ a Python number computed on the host from the update count: an update never wait
 Under FSDP2 and HSDP the parameters are sharded DTensors and each average is a clone of its parameter, sharded the
 same way: every rank averages its own shard, locally, with no communication, and holds 1/dp_shard of the bytes a
 DDP rank holds. Frozen parameters and buffers are not averaged: a checkpoint's ``pretrained_model_ema/`` takes them
-from the model as it is (lerobot_mg.checkpoint.ema_files), as LeRobot's EMA weights do.
+from the model as it is (lerobot_mg.checkpoint.ema_files), as LeRobot's EMA weights do. :meth:`ModelEMA.swap_into` puts
+the averages in a state dict of the model: the one way a checkpoint's EMA weights and an evaluation's
+(``ema.use_for_eval``) are made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lerobot_mg.config.schema import EMAConfig
 
@@ -81,6 +85,35 @@ class ModelEMA:
         torch._foreach_mul_(shadow, self.decay)
         torch._foreach_add_(shadow, live, alpha=1.0 - self.decay)
         self.updates += 1
+
+    @torch.no_grad()
+    def swap_into(self, state: dict[str, Any], gather: bool = False, receives: bool = True) -> dict[str, Any]:
+        """``state``, a state dict of the model (keyed by FQN, as ``get_model_state_dict`` gives it), with the entry
+        of every averaged parameter replaced by its average, in place: the weights a checkpoint's
+        ``pretrained_model_ema/`` holds and an evaluation with ``ema.use_for_eval`` rolls out. Frozen parameters and
+        buffers stay the model's.
+
+        Without ``gather`` the averages go in as they are (this rank's DTensor shards under FSDP, the EMA's own
+        memory). With ``gather``, ``state`` is the full state dict gathered onto one rank (``full_state_dict`` and
+        ``cpu_offload``; empty elsewhere) and ``receives`` says whether this rank is that one: each average is
+        all-gathered (collective: every rank calls it, in the same order) and a new CPU tensor of it goes into
+        ``state`` there.
+
+        An average whose name ``state`` lacks is refused (RuntimeError), before anything is gathered: left out, the
+        trained weight would stand where its average belongs, and the wrong weights would be saved or evaluated."""
+        unknown = sorted(set(self.shadow) - set(state)) if receives else []
+        if unknown:
+            raise RuntimeError(f"the EMA holds parameters the model's state dict lacks: {unknown[:5]}")
+        for name, average in self.shadow.items():
+            if not gather:
+                state[name] = average
+                continue
+            # A sharded average is all-gathered; a plain one (an ignored module's) copied: the copy is what a save
+            # writes while training goes on.
+            full = average.full_tensor() if isinstance(average, DTensor) else average.detach().clone()
+            if receives:
+                state[name] = full.cpu()
+        return state
 
     def __iter__(self) -> Iterator[Tensor]:
         """The averages (DTensors under sharding): what lerobot_mg.distributed.memory counts."""

@@ -76,13 +76,14 @@ class EvaluationError(RuntimeError):
 
 def gather_full_weights(policy: nn.Module, ema: ModelEMA | None = None) -> dict[str, torch.Tensor]:
     """The policy's full state dict (every parameter and persistent buffer, under its module name) as new CPU
-    tensors, on every rank; with ``ema``, its averages in place of the trainable parameters (frozen ones and buffers
-    are the model's, as in a checkpoint's pretrained_model_ema/). Collective under FSDP/HSDP: one all-gather per
-    sharded tensor, in state-dict order, which is the same on every rank."""
+    tensors, on every rank; with ``ema``, its averages in place of the trainable parameters, swapped in as a
+    checkpoint's pretrained_model_ema/ swaps them (:meth:`ModelEMA.swap_into`: an average the state dict has no
+    entry for is refused). Collective under FSDP/HSDP: one all-gather per sharded tensor, in state-dict order, which
+    is the same on every rank."""
     gathered = {}
     state = get_model_state_dict(policy)
     if ema is not None:
-        state.update((name, average) for name, average in ema.shadow.items() if name in state)
+        ema.swap_into(state)  # this rank's shards of the averages in place of the weights': nothing gathered yet
     for name, value in state.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         gathered[name] = full.detach().to("cpu", copy=True)

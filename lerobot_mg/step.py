@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,14 +66,12 @@ def make_ema(model: nn.Module, cfg: EMAConfig) -> ModelEMA | None:
 class Stepper:
     """Runs loop steps. Every method is collective: every rank calls it once per loop step.
 
-    ``after_backward``, if given, is called once per loop step between backward and the optimizer update (the
-    fault drills of :mod:`lerobot_mg.drills` act there). ``ema``, if given, averages the weights after every optimizer
-    update (an fp16 update the loss scaler skipped too: the average then moves towards unchanged weights)."""
+    ``ema``, if given, averages the weights after every optimizer update (an fp16 update the loss scaler skipped too:
+    the average then moves towards unchanged weights)."""
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, preprocessor: Any, grad_clip_norm: float,
-                 dims: ParallelDims, uint8_keys: Collection[str] = (),
-                 after_backward: Callable[[], None] | None = None, ema: ModelEMA | None = None):
+                 dims: ParallelDims, uint8_keys: Collection[str] = (), ema: ModelEMA | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.preprocessor = preprocessor
         self.grad_clip_norm = grad_clip_norm  # optimizer.grad_clip_norm; 0 disables clipping
@@ -81,7 +79,6 @@ class Stepper:
         self.uint8_keys = tuple(uint8_keys)  # see to_device
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
-        self.after_backward = after_backward
         self.ema = ema
 
     @property
@@ -94,9 +91,7 @@ class Stepper:
         logs = StepLogs()
         with acc.accumulate(self.model):
             loss, policy_logs = self.model(batch)
-            acc.backward(loss)
-            if self.after_backward is not None:
-                self.after_backward()
+            self.backward(loss)
             logs.synced = acc.sync_gradients
             if logs.synced:
                 logs.grad_norm = self._finish_gradients()
@@ -118,6 +113,11 @@ class Stepper:
                 self.scheduler.step()  # once per loop step, whatever the process count
         logs.losses = {"loss": loss.detach(), **policy_logs}
         return logs
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward of this loop step's micro-batch (accelerate scales the loss for accumulation and fp16). A
+        fault drill extends it (lerobot_mg.drills.DrillStepper)."""
+        self.accelerator.backward(loss)
 
     def _finish_gradients(self) -> float | torch.Tensor:
         """Reduce what FSDP does not, unscale, agree on overflow, clip; returns the global grad norm (a device

@@ -22,7 +22,7 @@ from lerobot_mg.data.loader import endless_batches
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
 from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
-from lerobot_mg.drills import fault_drill
+from lerobot_mg.drills import stepper_type
 from lerobot_mg.evaluation import Evaluator
 from lerobot_mg.launch.hub import publish_policy
 from lerobot_mg.launch.placement import record_placement
@@ -37,7 +37,7 @@ from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
-from lerobot_mg.step import Stepper, make_ema
+from lerobot_mg.step import make_ema
 from lerobot_mg.tracking import RunTracker, log_resume, print_banner
 
 
@@ -119,8 +119,9 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
                          train_config, cfg.trackio)  # writes the start/resume record
     if dims.is_main_process:
         print_banner(cfg, facts, dataset, output_dir, progress)
-    stepper = Stepper(accelerator, model, optimizer, scheduler, preprocessor, cfg.optimizer.grad_clip_norm, dims,
-                      uint8_keys=dataset.visual_keys, after_backward=fault_drill(dims.rank), ema=ema)
+    # The plain Stepper; the one that runs a fault drill only on the rank LEROBOT_MG_FAULT names (lerobot_mg.drills).
+    stepper = stepper_type(dims.rank)(accelerator, model, optimizer, scheduler, preprocessor,
+                                      cfg.optimizer.grad_clip_norm, dims, uint8_keys=dataset.visual_keys, ema=ema)
     batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
     evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta,

@@ -42,18 +42,7 @@ def ema_model_state(model: nn.Module, ema: ModelEMA, full: bool, main: bool,
     options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=adapter is not None)
     state = get_model_state_dict(model, options=options)  # collective when full
     receives = main or not full  # a gather leaves every rank but the main one empty
-    unknown = sorted(set(ema.shadow) - set(state)) if receives else []
-    if unknown:
-        raise RuntimeError(f"the EMA holds parameters the model's state dict lacks: {unknown[:5]}")
-    for name, average in ema.shadow.items():
-        if full:
-            # A sharded average is all-gathered (collective, in the same order on every rank); a plain one (an
-            # ignored module's) copied: the copy is what the save writes while training goes on.
-            gathered = average.full_tensor() if isinstance(average, DTensor) else average.detach().clone()
-            if receives:
-                state[name] = gathered.cpu()
-        else:
-            state[name] = average
+    ema.swap_into(state, gather=full, receives=receives)  # collective when full
     return adapter.to_adapter(state) if adapter is not None and receives else state
 
 

@@ -1,5 +1,6 @@
-"""The EMA of the weights (lerobot_mg/ema.py): Diffusion Policy's schedule and arithmetic, what the memory plan
-counts for it, and lerobot-mg-convert-dcp on its shards. The sharded runs are in tests/dist/test_ema_runs.py."""
+"""The EMA of the weights (lerobot_mg/ema.py): Diffusion Policy's schedule and arithmetic, the one swap of the averages
+into the weights that checkpoints and evaluations share, what the memory plan counts for it, and lerobot-mg-convert-dcp
+on its shards. The sharded runs are in tests/dist/test_ema_runs.py."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from torch import nn
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.checkpoint.convert import main as convert_main
+from lerobot_mg.checkpoint.ema_files import ema_model_state
 from lerobot_mg.config.schema import EMAConfig
 from lerobot_mg.distributed.memory import param_facts, planned_rank_bytes
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.ema import ModelEMA, ema_decay
+from lerobot_mg.evaluation import gather_full_weights
 from tests.unit.test_convert import dcp_checkpoint, tiny_policy
 from tests.unit.test_memory_plan import _plan, _train_config
 
@@ -89,6 +92,43 @@ def test_updates_average_the_trainable_parameters_only_as_diffusion_policy_does(
     assert ema.state() == {"updates": 3, "decay": 0.25}
     ema.restart()
     assert ema.updates == 0 and torch.equal(ema.shadow["0.weight"], model[0].weight)
+
+
+# The weights with the EMA swapped in, as each caller makes them (one process: nothing to gather).
+SWAPS = {
+    "evaluation": gather_full_weights,  # the in-training evaluator (ema.use_for_eval)
+    "checkpoint": lambda model, ema: ema_model_state(model, ema, full=False, main=True),  # pretrained_model_ema/
+    "checkpoint_gathered": lambda model, ema: ema_model_state(model, ema, full=True, main=True),  # its safetensors
+}
+
+
+@pytest.mark.parametrize("swap", list(SWAPS))
+def test_the_averages_replace_the_trainable_weights_only(swap: str) -> None:
+    """Evaluations and checkpoints get the same weights: every trainable parameter's average, the frozen parameters
+    and the buffers as the model holds them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model[1].requires_grad_(False)  # frozen: its parameters, like its buffers, stay the model's
+    ema = ModelEMA.of(EMAConfig(enable=True), model)
+    for average in ema:
+        average.add_(1.0)  # averages that differ from the weights everywhere
+    weights = SWAPS[swap](model, ema)
+    assert weights.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(weights[name], ema.shadow.get(name, tensor)), name
+    assert sorted(ema.shadow) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize("swap", list(SWAPS))
+def test_an_average_the_state_dict_has_no_entry_for_is_refused(swap: str) -> None:
+    """A policy compiled whole names its parameters ``_orig_mod.*`` and its state dict without the prefix: an EMA of
+    those names matches no entry. Every caller refuses it; the evaluation used to skip it and roll out the trained
+    weights as if they were the averages."""
+    model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))  # a wrapper: nothing compiles here
+    ema = ModelEMA.of(EMAConfig(enable=True), model)
+    with pytest.raises(RuntimeError, match=r"the EMA holds parameters the model's state dict lacks: "
+                                           r"\['_orig_mod\.0\.bias', '_orig_mod\.0\.weight'"):
+        SWAPS[swap](model, ema)
 
 
 def test_the_plan_counts_the_ema_of_each_rank_shard() -> None:
