@@ -22,7 +22,7 @@ import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from lerobot_mg.distributed.accelerator import CPU_BACKEND, GPU_BACKEND, process_group_backend
-from tests.launch_utils import REPO
+from tests.launch_utils import PYTHON, REPO, clean_env, free_port, rank_env, run_watched
 
 PACKAGE = REPO / "lerobot_mg"
 
@@ -288,3 +288,31 @@ def test_a_gpu_run_maps_cpu_tensors_to_gloo_and_cuda_tensors_to_nccl() -> None:
     assert BackendConfig(Backend(CPU_BACKEND)).get_device_backend_map() == {"cpu": "gloo", "cuda": "gloo"}
     # What accelerate creates on its own for a GPU run: no CPU entry, so every CPU-tensor collective on it fails.
     assert "cpu" not in BackendConfig(Backend("nccl")).get_device_backend_map()
+
+
+# One process, one group per backend string, and the all_reduce of a CPU tensor that checkpoint/disk.py used to run.
+CPU_TENSOR_SCRIPT = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group(sys.argv[1])
+try:
+    dist.all_reduce(torch.ones(1))
+    print("accepted")
+except RuntimeError as error:
+    print("refused:", str(error).splitlines()[0])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("backend", "outcome"), [
+    ("cuda:gloo", "refused: No backend type associated with device type cpu"),
+    ("cuda:gloo,cpu:gloo", "accepted"),
+], ids=["no_cpu_entry", "cpu_entry"])
+def test_a_group_needs_a_cpu_backend_for_a_cpu_tensor(backend: str, outcome: str, tmp_path: Path) -> None:
+    """What the rule prevents, on the part a CPU can run: a group whose map has no CPU entry (accelerate's plain
+    ``nccl`` group on a GPU is ``{cuda: nccl}``; ``cuda:gloo`` stands in for it here) refuses a CPU tensor, and the
+    same group with the map's ``cpu:gloo`` entry takes it."""
+    script = tmp_path / "cpu_tensor.py"
+    script.write_text(CPU_TENSOR_SCRIPT)
+    proc = run_watched([PYTHON, str(script), backend], rank_env(clean_env(), 0, 1, free_port()), tmp_path, 120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == outcome, proc.stdout[-3000:]
