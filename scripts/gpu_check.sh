@@ -160,26 +160,34 @@ covered() {  # what, test...: records whether a distributed path was taken (the 
 }
 ONE_RANK_FSDP="topology: FSDP2: 1 shard (a 1-rank mesh)"
 
-echo "== process group and device mesh of one launched process (probe)"
 BACKEND_PROBE=$(mktemp --suffix=.py)
 cat > "$BACKEND_PROBE" <<'PY'
+import sys
 import torch, torch.distributed as dist
 from lerobot_mg.config.schema import AcceleratorConfig
-from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, launched
+from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, launched, prepare
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 
 world_size, rank, local_rank = launch_world()
-dims = ParallelDims.resolve(1, 1, world_size, rank, local_rank, launched())  # parallelism.dp_shard=1
+dp_shard = {"ddp": None, "fsdp": 1}[sys.argv[1]]  # the default layout, or parallelism.dp_shard=1
+dims = ParallelDims.resolve(1, dp_shard, world_size, rank, local_rank, launched())
 accelerator = build_accelerator(AcceleratorConfig(), dims)
 print("   layout:", dims.describe(), "| distributed type:", accelerator.distributed_type)
 devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-groups = {"default group": dist.group.WORLD, **{f"mesh group {i}": g for i, g in
-                                                 enumerate(accelerator.torch_device_mesh.get_all_groups())}}
+mesh = accelerator.torch_device_mesh
+groups = {"default group": dist.group.WORLD,
+          **{f"mesh group {i}": g for i, g in enumerate(mesh.get_all_groups() if mesh is not None else [])}}
 for name, group in groups.items():
     for device in devices:  # every device type the map names takes a collective
         value = torch.ones(1, device=device)
         dist.all_reduce(value, group=group)
     print(f"   {name}: backends {dist.get_backend_config(group)}, all_reduce ok on {devices}")
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+model, optimizer = prepare(accelerator, model, torch.optim.AdamW(model.parameters()), dims)
+accelerator.backward(model(torch.ones(4, 8, device=accelerator.device)).sum())
+norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+print(f"   prepared model: {type(model).__name__}, one backward, gradient norm {float(norm):.4f}")
 if torch.cuda.is_available():  # what accelerate would have built: a plain NCCL group
     plain = dist.new_group(backend="nccl")
     try:
@@ -190,11 +198,16 @@ if torch.cuda.is_available():  # what accelerate would have built: a plain NCCL 
 dist.destroy_process_group()
 print("   probe done")
 PY
-$PY -m torch.distributed.run --nproc-per-node=1 --master-port=29557 "$BACKEND_PROBE" 2>&1 | tee "$OUT/backend_probe.log" \
-    | grep -E "^   |Error" || true
-covered "default group and device mesh map cuda->nccl, cpu->gloo; CPU and CUDA collectives on each (probe)" \
-    bash -c "grep -q 'probe done' '$OUT/backend_probe.log' && grep 'default group: backends' '$OUT/backend_probe.log' \
-             | grep -q 'cpu:gloo' && grep 'default group: backends' '$OUT/backend_probe.log' | grep -q 'cuda:nccl'"
+for layout in ddp fsdp; do
+  echo "== process group of one launched process, $layout (probe)"
+  $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29557 "$BACKEND_PROBE" $layout 2>&1 \
+      | tee "$OUT/backend_probe_$layout.log" | grep -E "^   |Error" || true
+done
+covered "process group cuda->nccl, cpu->gloo, inherited by the 1-rank mesh; CPU and CUDA collectives on each (probe)" \
+    bash -c "grep -q 'probe done' '$OUT/backend_probe_fsdp.log' && grep 'default group: backends' '$OUT/backend_probe_fsdp.log' \
+             | grep -q 'cpu:gloo' && grep 'default group: backends' '$OUT/backend_probe_fsdp.log' | grep -q 'cuda:nccl'"
+covered "prepare() wraps DDP on one GPU and FSDP2 on the 1-rank mesh (probe)" \
+    bash -c "grep -q 'prepared model: DistributedDataParallel' '$OUT/backend_probe_ddp.log' && grep -q 'prepared model: FSDP' '$OUT/backend_probe_fsdp.log'"
 
 run fp32_single      $PY scripts/train.py
 run bf16_single      $PY scripts/train.py accelerator.mixed_precision=bf16
