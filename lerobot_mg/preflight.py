@@ -57,9 +57,10 @@ class Preflight:
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
 
 
-def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, *,
+def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, launched: bool = False, *,
               env: Mapping[str, str] | None = None, on_this_machine: bool = True) -> Preflight:
-    """Check ``cfg`` for a launch of ``world_size`` processes; raise the first user error.
+    """Check ``cfg`` for a launch of ``world_size`` processes (``launched``: started by a launcher, which gives even
+    one process a process group); raise the first user error.
 
     ``on_this_machine=False`` (a SLURM submission, checked on the submitting host) leaves out what only the
     machine that trains can answer: its launch environment and whether the training state fits its memory.
@@ -67,7 +68,8 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     if on_this_machine:
         check_accelerate_env(env)
     world_size = planned_world_size(cfg, world_size)
-    dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank)
+    dims = ParallelDims.resolve(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, world_size, rank, local_rank,
+                                launched)
     validate(cfg, dims.is_sharded)
     check_resume_request(cfg.resume, cfg.config_path)
     check_output_dir(cfg)
@@ -99,7 +101,7 @@ def planned_world_size(cfg: TrainConfig, launched: int) -> int:
     if cfg.plan_world_size is None:
         return launched
     degrees = (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard)
-    if -1 not in degrees and degrees[0] * degrees[1] != cfg.plan_world_size:
+    if None not in degrees and -1 not in degrees and degrees[0] * degrees[1] != cfg.plan_world_size:
         raise config_error("plan_world_size", cfg.plan_world_size,
                            f"the layout asks for dp_replicate x dp_shard = {degrees[0] * degrees[1]} ranks",
                            f"plan_world_size={degrees[0] * degrees[1]}, or parallelism.dp_shard=-1 (shard over all)")

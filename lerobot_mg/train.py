@@ -20,7 +20,13 @@ from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.loader import endless_batches
 from lerobot_mg.data.sampler import ResumableBatchSampler
-from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, prepare_units
+from lerobot_mg.distributed.accelerator import (
+    build_accelerator,
+    launch_world,
+    launched,
+    prepare,
+    prepare_units,
+)
 from lerobot_mg.distributed.memory import MemoryPlan, gather_rank_bytes
 from lerobot_mg.drills import stepper_type
 from lerobot_mg.evaluation import Evaluator
@@ -55,7 +61,7 @@ class TrainResult:
 
 @releases_run_state  # a local sweep calls train() once per point in one process: each call cleans up after itself
 def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: SweepJob | None = None) -> TrainResult:
-    checked = preflight(cfg, *launch_world())  # every start-up check, before any process group
+    checked = preflight(cfg, *launch_world(), launched=launched())  # every start-up check, before any process group
     dims, resume, meta = checked.dims, checked.resume, checked.dataset
     if cfg.torch_threads is not None:  # before any model exists; evaluation runs under it too
         torch.set_num_threads(cfg.torch_threads)
@@ -87,7 +93,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     prepare_units(accelerator, policy, cfg.accelerator, dims)  # collective: checkpointing, compile, sharding
     optimizer = make_optimizer(policy, cfg.optimizer)
     scheduler = make_scheduler(optimizer, cfg.scheduler, cfg.steps)
-    model, optimizer = accelerator.prepare(policy, optimizer)  # collective: wraps the root (FSDP) or DDP
+    model, optimizer = prepare(accelerator, policy, optimizer, dims)  # collective: wraps the root (FSDP) or DDP
     ema = make_ema(policy, cfg.ema)  # ema.enable: after sharding, so each rank averages its own shards
     checkpoints = CheckpointManager(output_dir, cfg.checkpoint.format, cfg.checkpoint.keep_last, dims,
                                     adapter=AdapterWeights.of(policy), async_save=cfg.checkpoint.async_save,

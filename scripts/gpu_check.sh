@@ -3,8 +3,13 @@
 #
 #   bash scripts/gpu_check.sh            # needs a CUDA torch in .venv or on the PATH's python
 #
-# 1. NCCL path: a 1-GPU run goes through the same Accelerate factory (single process, then torchrun with 1 rank
-#    and parallelism.dp_shard=-1 so FSDP2 is built on NCCL, not the CPU rehearsal).
+# 1. The distributed code on one GPU. Under torchrun one process takes the distributed path: the default layout is
+#    DDP on a 1-rank NCCL process group (DDP's reducer included), a typed parallelism.dp_shard is FSDP2 on a 1-rank
+#    mesh. A probe checks the process group's backend map (cuda:nccl,cpu:gloo, inherited by the device mesh) with a
+#    CPU and a CUDA collective on each group, and that a plain NCCL group refuses the CPU tensor (the failure the map
+#    prevents). Runs: DDP, FSDP2 with cpu_offload (CPU DTensor gradient norms over the gloo half of the map), DCP
+#    shards and a resume, an asynchronous DCP save and a resume. The end of the output lists the paths taken and
+#    what only 2+ GPUs can show.
 # 2. bf16 and fp16 on CUDA (fp16 builds accelerate's own GradScaler on the GPU).
 # 3. accelerator.fsdp.cpu_offload=true with pinned host memory.
 # 4. Peak GPU memory of each run (torch.cuda.max_memory_allocated, printed by the inline probe below).
@@ -127,7 +132,9 @@ run() {  # name, launcher..., overrides... (the ACT overrides in `common` unless
   local -n preset=${PRESET:-common}
   echo "== $name"
   local start=$SECONDS
-  "$@" "${preset[@]}" "output_dir=$OUT/$name" 2>&1 | grep -E "topology|batch:|precision|activation checkpointing:|torch.compile:|wrap units|Checkpoint |Error|error" || true
+  "$@" "${preset[@]}" "output_dir=$OUT/$name" > "$OUT/$name.log" 2>&1 || echo "   exit status $?"
+  grep -E "topology|batch:|precision|activation checkpointing:|torch.compile:|wrap units|Checkpoint |Error|error" \
+      "$OUT/$name.log" || true
   $PY - "$OUT/$name" <<'PY'
 import json, sys, pathlib
 run = pathlib.Path(sys.argv[1])
@@ -146,21 +153,91 @@ PY
 }
 
 TR=($PY -m torch.distributed.run --nproc-per-node=1 --master-port=29555 scripts/train.py)
+COVERED=()
+covered() {  # what, test...: records whether a distributed path was taken (the test succeeds) for the summary
+  local what=$1; shift
+  if "$@" >/dev/null 2>&1; then COVERED+=("  ok       $what"); else COVERED+=("  MISSING  $what"); fi
+}
+ONE_RANK_FSDP="topology: FSDP2: 1 shard (a 1-rank mesh)"
+
+BACKEND_PROBE=$(mktemp --suffix=.py)
+cat > "$BACKEND_PROBE" <<'PY'
+import sys
+import torch, torch.distributed as dist
+from lerobot_mg.config.schema import AcceleratorConfig
+from lerobot_mg.distributed.accelerator import build_accelerator, launch_world, launched, prepare
+from lerobot_mg.distributed.parallel_dims import ParallelDims
+
+world_size, rank, local_rank = launch_world()
+dp_shard = {"ddp": None, "fsdp": 1}[sys.argv[1]]  # the default layout, or parallelism.dp_shard=1
+dims = ParallelDims.resolve(1, dp_shard, world_size, rank, local_rank, launched())
+accelerator = build_accelerator(AcceleratorConfig(), dims)
+print("   layout:", dims.describe(), "| distributed type:", accelerator.distributed_type)
+devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+mesh = accelerator.torch_device_mesh
+groups = {"default group": dist.group.WORLD,
+          **{f"mesh group {i}": g for i, g in enumerate(mesh.get_all_groups() if mesh is not None else [])}}
+for name, group in groups.items():
+    for device in devices:  # every device type the map names takes a collective
+        value = torch.ones(1, device=device)
+        dist.all_reduce(value, group=group)
+    print(f"   {name}: backends {dist.get_backend_config(group)}, all_reduce ok on {devices}")
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+model, optimizer = prepare(accelerator, model, torch.optim.AdamW(model.parameters()), dims)
+accelerator.backward(model(torch.ones(4, 8, device=accelerator.device)).sum())
+norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+print(f"   prepared model: {type(model).__name__}, one backward, gradient norm {float(norm):.4f}")
+if torch.cuda.is_available():  # what accelerate would have built: a plain NCCL group
+    plain = dist.new_group(backend="nccl")
+    try:
+        dist.all_reduce(torch.ones(1), group=plain)
+        print("   UNEXPECTED: a plain nccl group took a CPU tensor")
+    except RuntimeError as error:
+        print("   a plain nccl group refuses a CPU tensor, as expected:", str(error).splitlines()[0][:100])
+dist.destroy_process_group()
+print("   probe done")
+PY
+for layout in ddp fsdp; do
+  echo "== process group of one launched process, $layout (probe)"
+  $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29557 "$BACKEND_PROBE" $layout 2>&1 \
+      | tee "$OUT/backend_probe_$layout.log" | grep -E "^   |Error" || true
+done
+covered "process group cuda->nccl, cpu->gloo, inherited by the 1-rank mesh; CPU and CUDA collectives on each (probe)" \
+    bash -c "grep -q 'probe done' '$OUT/backend_probe_fsdp.log' && grep 'default group: backends' '$OUT/backend_probe_fsdp.log' \
+             | grep -q 'cpu:gloo' && grep 'default group: backends' '$OUT/backend_probe_fsdp.log' | grep -q 'cuda:nccl'"
+covered "prepare() wraps DDP on one GPU and FSDP2 on the 1-rank mesh (probe)" \
+    bash -c "grep -q 'prepared model: DistributedDataParallel' '$OUT/backend_probe_ddp.log' && grep -q 'prepared model: FSDP' '$OUT/backend_probe_fsdp.log'"
+
 run fp32_single      $PY scripts/train.py
 run bf16_single      $PY scripts/train.py accelerator.mixed_precision=bf16
 run fp16_single      $PY scripts/train.py accelerator.mixed_precision=fp16
+run ddp_nccl         "${TR[@]}"
+covered "DDP on a 1-rank NCCL process group (torchrun, default layout)" \
+    bash -c "grep -q 'topology: DDP: 1 replica (a 1-rank process group)' '$OUT/ddp_nccl.log' && test -f '$OUT/ddp_nccl/placement.json' && test -f '$OUT/ddp_nccl/rank_bytes.json'"
 run fsdp_bf16_nccl   "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16
 run fsdp_fp16_nccl   "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=fp16
+covered "FSDP2 on a 1-rank mesh, bf16 and fp16 (loss scaler) on NCCL" \
+    bash -c "grep -q '$ONE_RANK_FSDP' '$OUT/fsdp_bf16_nccl.log' && grep -q '$ONE_RANK_FSDP' '$OUT/fsdp_fp16_nccl.log' && test -f '$OUT/fsdp_fp16_nccl/rank_bytes.json'"
 run fsdp_offload     "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixed_precision=bf16 accelerator.fsdp.cpu_offload=true
-run fsdp_dcp_resume0 "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp steps=20
+covered "FSDP2 with accelerator.fsdp.cpu_offload=true: CPU DTensor norms and gathers on the map's gloo" \
+    bash -c "grep -q '$ONE_RANK_FSDP' '$OUT/fsdp_offload.log' && test -f '$OUT/fsdp_offload/rank_bytes.json' && test -f '$OUT/fsdp_offload/checkpoints/last/pretrained_model/model.safetensors'"
+run fsdp_dcp_resume0 "${TR[@]}" parallelism.dp_shard=1 checkpoint.format=dcp steps=20
 echo "== resume from DCP on NCCL"
-"${TR[@]}" resume=true "config_path=$OUT/fsdp_dcp_resume0/checkpoints/last/pretrained_model/train_config.json" steps=40 2>&1 | grep -E "resumed|Error" || true
+"${TR[@]}" resume=true "config_path=$OUT/fsdp_dcp_resume0/checkpoints/last/pretrained_model/train_config.json" steps=40 \
+    > "$OUT/fsdp_dcp_resume1.log" 2>&1 || true
+grep -E "resumed|Error" "$OUT/fsdp_dcp_resume1.log" || true
+covered "checkpoint.format=dcp: shards written by the 1-rank mesh, and a resume from them" \
+    bash -c "test -f '$OUT/fsdp_dcp_resume0/checkpoints/000020/pretrained_model/pytorch_model_fsdp_0/__0_0.distcp' && test -f '$OUT/fsdp_dcp_resume0/checkpoints/000040/training_state/optimizer_0/__0_0.distcp' && grep -q 'resumed' '$OUT/fsdp_dcp_resume1.log'"
 
 run fsdp_async_dcp  "${TR[@]}" parallelism.dp_shard=-1 checkpoint.format=dcp checkpoint.async_save=true \
     checkpoint.save_freq=10 steps=20
 echo "== resume from an asynchronously written DCP checkpoint on NCCL"
 "${TR[@]}" resume=true "config_path=$OUT/fsdp_async_dcp/checkpoints/last/pretrained_model/train_config.json" steps=40 \
-    checkpoint.async_save=true 2>&1 | grep -E "resumed|Checkpoint |Error" || true
+    checkpoint.async_save=true > "$OUT/fsdp_async_dcp_resume.log" 2>&1 || true
+grep -E "resumed|Checkpoint |Error" "$OUT/fsdp_async_dcp_resume.log" || true
+covered "checkpoint.async_save=true: DCP staged in host memory, written through the gloo side group, resumed" \
+    bash -c "grep -q 'staged in host memory' '$OUT/fsdp_async_dcp.log' && grep -q 'resumed' '$OUT/fsdp_async_dcp_resume.log' && test -f '$OUT/fsdp_async_dcp/checkpoints/000040/training_state/optimizer_0/__0_0.distcp'"
 echo "== plan=true against the GPU's free memory"
 "${TR[@]}" "${common[@]}" parallelism.dp_shard=-1 plan=true "output_dir=$OUT/plan" 2>&1 | tail -n 15
 
@@ -191,4 +268,14 @@ run act_resnet18_ema_val "${TR[@]}" parallelism.dp_shard=-1 policy.vision_backbo
 sync_check "one GPU" $PY "$SYNC_PROBE"
 sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
     parallelism.dp_shard=-1
+echo
+echo "== distributed paths covered on this GPU"
+printf '%s\n' "${COVERED[@]}"
+cat <<'TXT'
+== needs 2 or more GPUs (not covered here; CI runs these layouts on gloo under the same backend rule)
+  - NCCL traffic between ranks: DDP's gradient all-reduce across GPUs, FSDP2's all-gather and reduce-scatter of
+    real shards (on one rank a collective moves no data between devices), HSDP's replicate and shard groups
+  - DCP checkpoints resharded between world sizes, and placement of shard groups within nodes
+  - a rank that dies or hangs while others wait in an NCCL collective (accelerator.process_group_timeout_s)
+TXT
 echo "gpu_check done"

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from torch.distributed.checkpoint import CheckpointException
@@ -56,16 +55,22 @@ class DiskGuard:
 
     def check_free_space(self, tmp: Path, needed: int) -> None:
         """Refuse a save that cannot fit before writing any of it. Collective: every rank calls it (each checks
-        its own share; all stop together)."""
+        its own share; all stop together).
+
+        The ranks agree through an object collective, which torch runs on a device the group serves (the CPU on
+        our ``cuda:nccl,cpu:gloo`` group, the GPU on a plain NCCL one): valid whatever backends the group maps.
+        """
         self.needed_bytes = needed
         free = shutil.disk_usage(tmp).free
-        short = torch.tensor([needed if needed > free else 0], dtype=torch.int64)
+        shortfalls = [needed if needed > free else 0]
         if self.dims.is_distributed:
-            dist.all_reduce(short, op=dist.ReduceOp.MAX)
-        if int(short) > 0:
+            shortfalls = [None] * self.dims.world_size
+            dist.all_gather_object(shortfalls, needed if needed > free else 0)
+        short = max(shortfalls)
+        if short > 0:
             if self.dims.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise ConfigError(self._message(tmp, f"{free:,} bytes free on its file system", int(short)))
+            raise ConfigError(self._message(tmp, f"{free:,} bytes free on its file system", short))
 
     @contextmanager
     def errors(self, tmp: Path) -> Iterator[None]:

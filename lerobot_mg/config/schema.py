@@ -47,14 +47,17 @@ def policy_config_class(name: str) -> type[PolicyConfig]:
 
 @dataclass
 class ParallelismConfig:
-    """Data-parallel layout. Both 1 (the default) = DDP over every process the launcher started.
+    """Data-parallel layout. The default (``dp_shard`` unset) is DDP over every process the launcher started.
 
-    ``dp_shard=N`` shards parameters, gradients and optimizer state over N ranks (FSDP2; ``-1`` = all
-    processes, divided by ``dp_replicate``); ``dp_replicate=R dp_shard=S`` is HSDP (R x S = world size).
+    Typing ``dp_shard`` asks for sharding: ``dp_shard=N`` shards parameters, gradients and optimizer state over N
+    ranks (FSDP2; ``-1`` = all processes, divided by ``dp_replicate``); ``dp_replicate=R dp_shard=S`` is HSDP
+    (R x S = world size). On one process started by a launcher (``torchrun --nproc-per-node=1``) a typed
+    ``dp_shard`` (1 or -1) is FSDP2 on a 1-rank mesh; a shard degree of 1 on several processes is DDP. Plain
+    ``python`` is one process without a process group, whatever these say.
     """
 
     dp_replicate: int = 1
-    dp_shard: int = 1
+    dp_shard: int | None = None
 
 
 @dataclass
@@ -84,7 +87,7 @@ class MixedPrecisionPolicyConfig:
 
 @dataclass
 class FSDPConfig:
-    """Sharding settings; only valid on sharded runs (``parallelism.dp_shard`` != 1)."""
+    """Sharding settings; only valid on sharded runs (``parallelism.dp_shard`` typed, under a launcher)."""
 
     wrap_modules: list[str] | None = None  # class names of the wrap units; overrides the policy's declaration
     min_num_params: int | None = None  # or: wrap every non-container submodule above this many parameters

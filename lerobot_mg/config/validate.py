@@ -13,9 +13,14 @@ from lerobot_mg.config.choices import BestMetric, CheckpointFormat, MixedPrecisi
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.errors import config_error
 
+# Why a run is not sharded: the words of every refusal of a sharding-only setting (docs/sharding.md).
+NOT_SHARDED = ("DDP: parallelism.dp_shard unset, or 1 on several processes; or one process started without a "
+               "launcher, which has no process group")
+
 
 def validate(cfg: TrainConfig, sharded: bool) -> None:
-    """Raise ``ConfigError`` for the first user error in ``cfg``; ``sharded``: the layout shards (dp_shard > 1)."""
+    """Raise ``ConfigError`` for the first user error in ``cfg``; ``sharded``: the resolved layout shards (FSDP2 or
+    HSDP, see :mod:`lerobot_mg.distributed.parallel_dims`)."""
     for key in ("steps", "batch_size", "log_freq"):
         value = getattr(cfg, key)
         if value < 1:
@@ -71,7 +76,7 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
                 "only applies to sharded runs"
                 + (" (or to choose the units of accelerator.activation_checkpointing / accelerator.compile)"
                    if unit_rule else "")
-                + ", and this run is not sharded (parallelism.dp_shard=1)",
+                + f", and this run is not sharded ({NOT_SHARDED})",
                 f"parallelism.dp_shard=-1 to shard, or remove {key}",
             )
     if fsdp.wrap_modules is not None and fsdp.min_num_params is not None:
@@ -116,8 +121,9 @@ def _validate_checkpoint(cfg: TrainConfig, sharded: bool) -> None:
     if ckpt.format != CheckpointFormat.safetensors and not sharded:
         raise config_error(
             "checkpoint.format", ckpt.format,
-            "DCP weight shards only exist for sharded runs; this run is not sharded (parallelism.dp_shard=1)",
-            "checkpoint.format=safetensors, or shard with parallelism.dp_shard=-1",
+            f"DCP weight shards only exist for sharded runs; this run is not sharded ({NOT_SHARDED})",
+            "checkpoint.format=safetensors, or shard with parallelism.dp_shard=-1 under a launcher (torchrun, accelerate "
+            "launch, SLURM; on one process that is FSDP2 on a 1-rank mesh)",
         )
     if ckpt.save_freq < 1:
         raise config_error("checkpoint.save_freq", ckpt.save_freq, "must be >= 1", "checkpoint.save_freq=1000")

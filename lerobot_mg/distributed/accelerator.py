@@ -4,10 +4,17 @@ It builds one ``Accelerator`` for all three layouts (DDP, FSDP2, HSDP) with ever
 explicitly, and it prepares the model: wrap units are chosen and checked by :mod:`.wrap`, sharded with the
 same arguments accelerate gives the root, then ``accelerator.prepare`` wraps the root.
 
+The run's process group maps each device type to its backend (:func:`process_group_backend`): on a GPU run
+``cuda:nccl,cpu:gloo``, so a collective on a CPU tensor (a host-side flag, a CPU-offloaded DTensor's norm) runs on
+gloo and one on a GPU tensor on NCCL, over the default group and over every device-mesh group, which inherit the
+default group's backends. docs/launching.md states the rule; tests/unit/test_collectives.py holds every call site
+to it.
+
 Rehearsing a layout on a CPU-only host is a feature (tests run FSDP2/HSDP on gloo). Accelerate only picks FSDP
 for GPU-like devices and builds no fp16 autocast or loss scaler on the CPU; :func:`_rehearse_on_cpu` and
 :func:`_enable_cpu_fp16` are the two places that work around that, and ``tests/unit/test_accelerate_canary.py``
-pins the accelerate internals they rely on.
+pins the accelerate internals they rely on. On one launched process accelerate builds neither the device mesh of
+a sharded layout nor the DDP wrapper of a GPU run; :func:`_one_rank_mesh` and :func:`prepare` supply them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -23,10 +31,12 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismC
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
 from lerobot_mg.distributed.device import use_cpu
-from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
 from lerobot_mg.distributed.wrap import checkpoint_activations, compile_forward, find_split_ties, plan_units
 from lerobot_mg.errors import ConfigError
 
@@ -35,27 +45,43 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The process group's backend per device type. GPU runs: NCCL for CUDA tensors and gloo for CPU tensors (a plain
+# "nccl" group refuses every CPU tensor). CPU runs: gloo (accelerate would pick MPI where torch has it).
+GPU_BACKEND = "cuda:nccl,cpu:gloo"
+CPU_BACKEND = "gloo"
+
+
+def process_group_backend(cpu: bool) -> str:
+    """The backend string of the run's default process group: :data:`CPU_BACKEND` for a CPU run, else
+    :data:`GPU_BACKEND`. Device-mesh groups (FSDP2, HSDP) inherit it."""
+    return CPU_BACKEND if cpu else GPU_BACKEND
+
+
 # Process groups this process has created. A local sweep under torchrun trains its points one after another in the
 # same processes, so every rank counts the same groups in the same order.
 _process_group_count = itertools.count()
 
 
 def _create_process_group(cpu: bool, timeout: timedelta, distributed: bool) -> None:
-    """Create the run's process group through accelerate's ``PartialState``, with our timeout and, from the second
-    group of this process on, a rendezvous-store namespace of its own.
+    """Create the run's process group through accelerate's ``PartialState``, with our backend map and timeout and,
+    from the second group of this process on, a rendezvous-store namespace of its own (no group at all for a
+    process started without a launcher).
 
     accelerate's ``InitProcessGroupKwargs`` passes on only values that differ from its defaults (600 s would
     silently become gloo's 30 minutes), so the timeout goes to ``PartialState`` directly. torchrun's rendezvous
     store outlives each process group: a new group whose rank reads the previous group's keys connects to a peer
     that is gone and hangs. A fresh namespace per group avoids that.
     """
-    index = next(_process_group_count) if distributed else 0
+    if not distributed:
+        PartialState(cpu=cpu)
+        return
+    index = next(_process_group_count)
     if index == 0:
-        PartialState(cpu=cpu, timeout=timeout)
+        PartialState(cpu=cpu, timeout=timeout, backend=process_group_backend(cpu))
         return
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    PartialState(cpu=cpu, timeout=timeout, store=dist.PrefixStore(f"lerobot_mg_group{index}", store), rank=rank,
-                 world_size=world_size)
+    PartialState(cpu=cpu, timeout=timeout, backend=process_group_backend(cpu),
+                 store=dist.PrefixStore(f"lerobot_mg_group{index}", store), rank=rank, world_size=world_size)
 
 
 def _rehearse_on_cpu() -> None:
@@ -156,9 +182,36 @@ def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Acceler
             f"{dims.world_size}"
         )
     _enable_cpu_fp16(accelerator)
+    if dims.is_sharded and accelerator.torch_device_mesh is None:
+        accelerator.state.device_mesh = _one_rank_mesh(accelerator.device.type)
     if dims.is_distributed:
         _set_mesh_timeouts(accelerator, timedelta(seconds=acc_cfg.process_group_timeout_s))
     return accelerator
+
+
+def _one_rank_mesh(device_type: str) -> DeviceMesh:
+    """The device mesh of FSDP2 on one process, which accelerate does not build.
+
+    For ``dp_shard_size=1`` accelerate's ``ParallelismConfig`` has no enabled dimension, so it builds no mesh, and
+    ``fully_shard`` would then pick a world mesh of the machine's accelerator type (CUDA on a GPU host even for a CPU
+    run). The mesh built here has the one dimension accelerate's 1-dimensional FSDP mesh is read by
+    (``parallelism_config.fsdp_dim_names``: ``dp_shard_cp``), spans the default group and so inherits its backends.
+    """
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("dp_shard_cp",))
+
+
+def prepare(accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
+            dims: ParallelDims) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``accelerator.prepare`` of the model (wrapping the root: FSDP2 or DDP) and its optimizer. Collective.
+
+    accelerate wraps DDP for one launched process on the CPU but not on a GPU (it wraps GPU models only for more
+    than one process): a DDP layout is wrapped here then, so one GPU runs DDP's reducer on the 1-rank group too.
+    """
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if dims.layout is Layout.DDP and not isinstance(model, DistributedDataParallel):
+        device_ids = None if accelerator.device.type == "cpu" else [accelerator.device]
+        model = DistributedDataParallel(model, device_ids=device_ids)
+    return model, optimizer
 
 
 def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
@@ -293,3 +346,9 @@ def launch_world() -> tuple[int, int, int]:
         int(os.environ.get("RANK", "0")),
         int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def launched(environ: Mapping[str, str] | None = None) -> bool:
+    """A launcher (torchrun, accelerate launch, SLURM through submitit) started this process: it exports
+    ``WORLD_SIZE``, which a plain ``python`` start lacks. ``environ``: default this process's environment."""
+    return "WORLD_SIZE" in (os.environ if environ is None else environ)

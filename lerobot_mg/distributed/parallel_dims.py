@@ -1,7 +1,13 @@
-"""The runtime topology (degrees, ranks, layout name) and the batch arithmetic it implies.
+"""The runtime topology (degrees, ranks, layout) and the batch arithmetic it implies.
 
-``layout`` and ``effective_batch_size`` are derived fields (``init=False``): computed on construction, written
-with ``dataclasses.asdict`` so readers of the JSON records see them, and never read back.
+``parallelism.dp_shard`` left unset means "not sharded": DDP over every process the launcher started. Any value
+typed (``N``, or ``-1`` for all processes) asks for sharding. A shard degree of 1 on several processes is plain
+replication (DDP); on one process started by a launcher it is FSDP2 on a 1-rank mesh, which runs every collective
+and checkpoint path of a sharded run on a single GPU. A process started without a launcher (plain ``python``) is
+one process with no process group, whatever the config asks.
+
+``effective_batch_size`` is a derived field (``init=False``): computed on construction, written with
+``dataclasses.asdict`` so readers of the JSON records see it, and never read back.
 """
 
 from __future__ import annotations
@@ -12,18 +18,45 @@ from enum import Enum
 from lerobot_mg.errors import config_error
 
 
+class Layout(str, Enum):
+    """How the model is laid out over the processes of a run."""
+
+    SINGLE = "single"  # one process started without a launcher: no process group
+    DDP = "ddp"  # every process holds a full replica (one launched process: a 1-rank process group)
+    FSDP = "fsdp"  # parameters, gradients and optimizer state sharded over every process (1-rank mesh on one)
+    HSDP = "hsdp"  # sharded within groups of dp_shard ranks, the groups replicated dp_replicate times
+
+    @property
+    def sharded(self) -> bool:
+        return self in (Layout.FSDP, Layout.HSDP)
+
+    @property
+    def distributed(self) -> bool:
+        """A process group exists (the launcher started the run, even on one process)."""
+        return self is not Layout.SINGLE
+
+
 @dataclass(frozen=True)
 class Topology:
-    """The saveable topology of a run (no ranks: they describe a process, not the run)."""
+    """The saveable topology of a run (no ranks: they describe a process, not the run).
+
+    ``layout`` left None is derived from the degrees as runs written before 1-rank distributed layouts existed
+    did (sharded when ``dp_shard > 1``, distributed when ``world_size > 1``): records those runs saved read back
+    unchanged. :meth:`ParallelDims.resolve` always sets it.
+    """
 
     dp_replicate: int
     dp_shard: int
     world_size: int
-    layout: str = field(init=False)
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
-        sharded, replicated = self.dp_shard > 1, self.dp_replicate > 1
-        layout = "hsdp" if sharded and replicated else "fsdp" if sharded else "ddp" if self.world_size > 1 else "single"
+        if self.layout is None:
+            sharded, replicated = self.dp_shard > 1, self.dp_replicate > 1
+            layout = (Layout.HSDP if sharded and replicated else Layout.FSDP if sharded
+                      else Layout.DDP if self.world_size > 1 else Layout.SINGLE)
+        else:
+            layout = Layout(self.layout)
         object.__setattr__(self, "layout", layout)
 
     @property
@@ -33,33 +66,35 @@ class Topology:
 
     @property
     def is_sharded(self) -> bool:
-        return self.dp_shard > 1
+        return self.layout.sharded
 
     @property
     def is_distributed(self) -> bool:
-        return self.world_size > 1
+        return self.layout.distributed
 
     def describe(self) -> str:
-        if self.layout == "hsdp":
+        if self.layout is Layout.HSDP:
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard} shards (mesh dp_replicate x dp_shard)"
-        if self.layout == "fsdp":
-            return f"FSDP2: {self.dp_shard} shards"
-        return f"DDP: {self.world_size} replicas" if self.layout == "ddp" else "single process"
+        if self.layout is Layout.FSDP:
+            return "FSDP2: 1 shard (a 1-rank mesh)" if self.dp_shard == 1 else f"FSDP2: {self.dp_shard} shards"
+        if self.layout is Layout.DDP:
+            return "DDP: 1 replica (a 1-rank process group)" if self.world_size == 1 else f"DDP: {self.world_size} replicas"
+        return "single process"
 
 
-def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int, int]:
+def resolve_dp_degrees(dp_replicate: int, dp_shard: int | None, world_size: int) -> tuple[int, int]:
     """(dp_replicate, dp_shard) actually used on ``world_size`` processes; raises on an impossible layout.
 
-    Both 1 means DDP: every process is a replica. ``dp_shard=-1`` shards over all processes left after
-    ``dp_replicate``.
+    ``dp_shard`` unset (None), or both 1, means DDP: every process is a replica. ``dp_shard=-1`` shards over all
+    processes left after ``dp_replicate``.
     """
     if dp_replicate < 1:
         raise config_error("parallelism.dp_replicate", dp_replicate, "must be >= 1", "parallelism.dp_replicate=1")
-    if dp_shard == 0 or dp_shard < -1:
+    if dp_shard is not None and (dp_shard == 0 or dp_shard < -1):
         raise config_error(
             "parallelism.dp_shard", dp_shard, "must be >= 1, or -1 for all processes", "parallelism.dp_shard=-1"
         )
-    if dp_replicate == 1 and dp_shard == 1:
+    if dp_replicate == 1 and dp_shard in (None, 1):
         return world_size, 1
     if dp_shard == -1:
         if world_size % dp_replicate:
@@ -78,30 +113,48 @@ def resolve_dp_degrees(dp_replicate: int, dp_shard: int, world_size: int) -> tup
                 f"launch {2 * dp_replicate}+ processes for HSDP, or parallelism=ddp for DDP",
             )
         return dp_replicate, world_size // dp_replicate
-    if dp_replicate * dp_shard != world_size:
+    shard = 1 if dp_shard is None else dp_shard
+    if dp_replicate * shard != world_size:
         raise config_error(
             "parallelism",
             {"dp_replicate": dp_replicate, "dp_shard": dp_shard},
-            f"dp_replicate x dp_shard = {dp_replicate * dp_shard} but the launcher started {world_size} "
+            f"dp_replicate x dp_shard = {dp_replicate * shard} but the launcher started {world_size} "
             f"process(es); the two degrees must multiply to the world size",
-            f"parallelism.dp_shard=-1 (shard over all processes), or launch {dp_replicate * dp_shard} processes "
+            f"parallelism.dp_shard=-1 (shard over all processes), or launch {dp_replicate * shard} processes "
             f"(torchrun --nproc-per-node=...)",
         )
-    return dp_replicate, dp_shard
+    return dp_replicate, shard
+
+
+def resolve_layout(dp_shard: int | None, degrees: tuple[int, int], world_size: int, launched: bool) -> Layout:
+    """The layout of the resolved ``degrees`` (dp_replicate, dp_shard) on ``world_size`` processes.
+
+    ``launched``: a launcher (torchrun, accelerate launch, SLURM) started the processes; several processes always
+    were. A typed ``dp_shard`` shards; on one launched process that is FSDP2 on a 1-rank mesh.
+    """
+    replicate, shard = degrees
+    if not (launched or world_size > 1):
+        return Layout.SINGLE
+    if shard > 1:
+        return Layout.HSDP if replicate > 1 else Layout.FSDP
+    if dp_shard is not None and world_size == 1:
+        return Layout.FSDP
+    return Layout.DDP
 
 
 @dataclass(frozen=True)
 class ParallelDims(Topology):
     """The one object that knows degrees and ranks; the loop asks it questions instead of doing rank arithmetic."""
 
-    rank: int
-    local_rank: int
+    rank: int = 0
+    local_rank: int = 0
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, rank: int = 0,
-                local_rank: int = 0) -> ParallelDims:
-        replicate, shard = resolve_dp_degrees(dp_replicate, dp_shard, world_size)
-        return cls(replicate, shard, world_size, rank, local_rank)
+    def resolve(cls, dp_replicate: int, dp_shard: int | None, world_size: int, rank: int = 0,
+                local_rank: int = 0, launched: bool = False) -> ParallelDims:
+        """The layout of ``parallelism.*`` on ``world_size`` processes; ``launched``: see :func:`resolve_layout`."""
+        degrees = resolve_dp_degrees(dp_replicate, dp_shard, world_size)
+        return cls(*degrees, world_size, resolve_layout(dp_shard, degrees, world_size, launched), rank, local_rank)
 
     @property
     def is_main_process(self) -> bool:
@@ -109,7 +162,7 @@ class ParallelDims(Topology):
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.dp_replicate, self.dp_shard, self.world_size)
+        return Topology(self.dp_replicate, self.dp_shard, self.world_size, self.layout)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class SlurmSweepLauncher(SlurmLauncher):
                 cfg = run_config(point, frozenset(override_keys(list(overrides))))
                 world_size = check_slurm_job(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, params["nodes"],
                                              params["tasks_per_node"], params["gpus_per_node"])
-                preflight(cfg, world_size, on_this_machine=False)  # the dataset, policy and plan checks too
+                preflight(cfg, world_size, launched=True, on_this_machine=False)  # the dataset, policy and plan checks too
             except ConfigError as error:
                 report_user_error(ConfigError(f"sweep job #{idx} ({' '.join(overrides)}): {error}"))
                 raise SystemExit(2) from None
@@ -165,7 +165,7 @@ def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobRe
     return [returns[i] for i in range(len(jobs))]
 
 
-def check_slurm_job(dp_replicate: int, dp_shard: int, nodes: int, tasks_per_node: int,
+def check_slurm_job(dp_replicate: int, dp_shard: int | None, nodes: int, tasks_per_node: int,
                     gpus_per_node: int | None) -> int:
     """The ranks of one SLURM job (``nodes x tasks_per_node``) against the parallel layout, before submission;
     returns the world size."""
@@ -185,7 +185,7 @@ def check_slurm_job(dp_replicate: int, dp_shard: int, nodes: int, tasks_per_node
             f"hydra.launcher.tasks_per_node={gpus_per_node}",
         )
     world_size = nodes * tasks_per_node
-    degrees_fixed = dp_shard != -1 and not (dp_replicate == 1 and dp_shard == 1)
+    degrees_fixed = dp_shard not in (None, -1) and not (dp_replicate == 1 and dp_shard == 1)
     if degrees_fixed and dp_replicate >= 1 and dp_shard >= 1 and dp_replicate * dp_shard != world_size:
         wanted = dp_replicate * dp_shard
         fixes = []

@@ -192,6 +192,9 @@ open(f"{out_dir}/facts_rank{rank}.json", "w").write(json.dumps({
     # The timeout of every process group of the mesh (torch creates HSDP's subgroups with its own default).
     "group_timeouts_s": sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                                 for g in [*mesh.get_all_groups(), torch.distributed.group.WORLD]}),
+    # Each group's backend per device type: the mesh's groups inherit the default group's map.
+    "default_group_backends": torch.distributed.get_backend_config(),
+    "mesh_group_backends": sorted({torch.distributed.get_backend_config(g) for g in mesh.get_all_groups()}),
 }))
 """
 
@@ -247,6 +250,9 @@ def test_hsdp_mesh_is_two_replicas_of_two_shards(tmp_path: Path) -> None:
         assert {"dp_replicate", "dp_shard"} <= set(rank_facts["mesh_dim_names"])
         # accelerator.process_group_timeout_s reaches the replicate and shard groups, not only the default group.
         assert rank_facts["group_timeouts_s"] == [AcceleratorConfig().process_group_timeout_s]
+        # ... and so does the default group's backend map (docs/launching.md, "Collectives and backends").
+        assert rank_facts["default_group_backends"] == "cpu:gloo,cuda:gloo"
+        assert rank_facts["mesh_group_backends"] == [rank_facts["default_group_backends"]]
 
     for name, p0 in facts[0]["params"].items():
         assert p0["placements"] == ["Replicate", "Shard(0)"] and p0["mesh_shape"] == [2, 2], (name, p0)

@@ -20,8 +20,16 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lerobot_mg import preflight as preflight_module
 from lerobot_mg.config import register_configs
-from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
+from lerobot_mg.config.loading import (
+    CONF_DIR,
+    merge_resume_config,
+    normalize_argv,
+    to_train_config,
+    train_config_to_dict,
+)
 from lerobot_mg.config.schema import POLICY_CONFIGS, TrainConfig
+from lerobot_mg.config.validate import NOT_SHARDED
+from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import apply_policy_path
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
@@ -165,7 +173,7 @@ def test_a_preset_states_only_what_it_changes_from_the_schema(group: str, option
 
 def test_defaults_are_the_offline_single_process_run() -> None:
     cfg = _train_config([f"dataset.root={PUSHT_SLICE}"])
-    assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (1, 1)
+    assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (1, None)  # DDP over what was launched
     assert cfg.accelerator.mixed_precision == "no"
     assert (cfg.checkpoint.format, cfg.dataset.name, cfg.scheduler.type) == (
         "safetensors",
@@ -342,10 +350,15 @@ def test_fsdp_option_on_a_non_sharded_run_is_refused(override: str, start: str) 
     aside = " (or to choose the units of accelerator.activation_checkpointing / accelerator.compile)"
     assert message.startswith(
         f"{start}: only applies to sharded runs{aside if unit_rule else ''}, and this run is not sharded "
-        "(parallelism.dp_shard=1)"
+        f"({NOT_SHARDED})"
     ), message
     assert message.endswith(f". Fix: parallelism.dp_shard=-1 to shard, or remove {key}")
     preflight(_train_config([*VALID, override, "parallelism=fsdp"]), world_size=2)  # the fix works
+    # ... on one process too, once a launcher started it (FSDP2 on a 1-rank mesh); never without one.
+    preflight(_train_config([*VALID, override, "parallelism=fsdp"]), world_size=1, launched=True)
+    if not unit_rule:
+        assert _validation_error([*VALID, override, "parallelism=fsdp"], world_size=1).startswith(
+            f"{start}: only applies to sharded runs")
     if unit_rule:  # the unit rules also choose what activation checkpointing recomputes, sharded or not
         preflight(_train_config([*VALID, override, "accelerator.activation_checkpointing=true"]), world_size=2)
 
@@ -355,9 +368,16 @@ def test_dcp_checkpoint_on_a_non_sharded_run_is_refused(checkpoint_format: str) 
     message = _validation_error([*VALID, f"checkpoint={checkpoint_format}"], world_size=2)
     assert message == (
         f"checkpoint.format={checkpoint_format!r}: DCP weight shards only exist for sharded runs; "
-        "this run is not sharded (parallelism.dp_shard=1). Fix: checkpoint.format=safetensors, or shard with "
-        "parallelism.dp_shard=-1"
+        f"this run is not sharded ({NOT_SHARDED}). Fix: checkpoint.format=safetensors, or shard with "
+        "parallelism.dp_shard=-1 under a launcher (torchrun, accelerate launch, SLURM; on one process that is FSDP2 "
+        "on a 1-rank mesh)"
     )
+    # A sharding typed on one launched process is FSDP2 on a 1-rank mesh: its DCP shards are what it saves.
+    preflight(_train_config([*VALID, f"checkpoint={checkpoint_format}", "parallelism.dp_shard=1"]), world_size=1,
+              launched=True)
+    # Without a launcher (plain python) there is no process group to shard over.
+    assert "this run is not sharded" in _validation_error(
+        [*VALID, f"checkpoint={checkpoint_format}", "parallelism.dp_shard=1"], world_size=1)
 
 
 def test_existing_output_dir_without_resume_is_refused(tmp_path: Path) -> None:
@@ -390,3 +410,19 @@ def test_the_guides_flat_checkpoint_flags_map_to_the_checkpoint_group() -> None:
         "checkpoint.format=dcp",
         "checkpoint.save_freq=500",
     ]
+
+
+@pytest.mark.parametrize("saved_dp_shard", [1, None], ids=["older_run", "unset"])
+def test_a_saved_train_config_resumes_with_its_layout(saved_dp_shard: int | None, tmp_path: Path) -> None:
+    """Every train_config.json written before dp_shard could be unset says ``dp_shard: 1``: it still composes, and
+    resumes as the DDP (or single process) it ran as; a newer one says null."""
+    saved = train_config_to_dict(_train_config(VALID))
+    saved["parallelism"]["dp_shard"] = saved_dp_shard
+    path = tmp_path / "train_config.json"
+    path.write_text(json.dumps(saved))
+    typed = ["resume=true", f"config_path={path}"]
+    cfg = to_train_config(merge_resume_config(_compose(typed), typed))
+    assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (1, saved_dp_shard)
+    degrees = (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard)
+    assert ParallelDims.resolve(*degrees, 1).layout is Layout.SINGLE  # python scripts/train.py
+    assert ParallelDims.resolve(*degrees, 2, launched=True).layout is Layout.DDP  # torchrun --nproc-per-node=2
