@@ -74,7 +74,7 @@ SITES: list[tuple[str, str, str, Cover]] = [
     ("checkpoint/dcp_io.py", "load_dcp", "dcp.load", Cover.DCP),
     ("checkpoint/disk.py", "DiskGuard.check_free_space", "dist.all_gather_object", Cover.OBJECT),
     ("checkpoint/ema_files.py", "ema_model_state", "get_model_state_dict", Cover.MESH_GROUPS),
-    ("checkpoint/ema_files.py", "ema_model_state", "average.full_tensor", Cover.MESH_GROUPS),
+    ("ema.py", "ModelEMA.swap_into", "average.full_tensor", Cover.MESH_GROUPS),
     ("checkpoint/formats.py", "CheckpointFiles.large_writes", "get_optimizer_state_dict", Cover.MESH_GROUPS),
     ("checkpoint/formats.py", "CheckpointFiles.large_writes", "get_optimizer_state_dict", Cover.MESH_GROUPS),
     ("checkpoint/formats.py", "CheckpointFiles.load", "get_optimizer_state_dict", Cover.MESH_GROUPS),
