@@ -93,7 +93,7 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
     if cfg.plan:  # the printout says whether the plan fits
         memory = replace(memory, budget=plan_budget(cfg, memory, dims.local_rank))
-    train_data = open_training_data(cfg, dataset, split, policy, dims.local_rank) if (
+    train_data = open_training_data(cfg, dataset, split, policy, dims.local_rank, env) if (
         on_this_machine and not cfg.plan) else None
     return Preflight(dims, dataset, source, split, resume, memory, train_data)
 
@@ -222,17 +222,18 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[Dat
 
 
 def open_training_data(cfg: TrainConfig, meta: DatasetMeta, split: EpisodeSplit, policy: nn.Module,
-                       local_rank: int) -> LeRobotDataset:
+                       local_rank: int, env: Mapping[str, str] | None = None) -> LeRobotDataset:
     """The training episodes as the run reads them (the policy's features, images as uint8), with their dataset
     cache entries built here, before any process group exists: a first build on a large dataset takes minutes
     (logged column by column), which the other nodes' ranks would otherwise spend in a collective that times out.
     The validation episodes' entry is built too, for the evaluator to open. The first rank of each machine first
     removes what the cache's retention rule no longer keeps (``lerobot_mg.data.cache.clean``)."""
+    days = cache.keep_days(env)
     if local_rank == 0:
-        cleaned = cache.clean()
+        cleaned = cache.clean(days)
         if cleaned.unused or cleaned.abandoned:
             logger.info("dataset cache: removed %d entries unused for %g days and %d folders of killed builds",
-                        len(cleaned.unused), cache.keep_days(), len(cleaned.abandoned))
+                        len(cleaned.unused), days, len(cleaned.abandoned))
     keys = [*policy.input_features, *policy.output_features]
     deltas = delta_timestamps(cfg.policy, meta.features, meta.fps)
     if split.val:

@@ -41,7 +41,7 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +87,7 @@ def cache_root(fingerprint: str) -> Path:
     return root
 
 
-def keep_days(env: dict[str, str] | None = None) -> float:
+def keep_days(env: Mapping[str, str] | None = None) -> float:
     """Days an entry stays without a start opening it: ``$LEROBOT_MG_CACHE_DAYS``, else 30."""
     value = (os.environ if env is None else env).get(KEEP_DAYS_ENV)
     if not value:
