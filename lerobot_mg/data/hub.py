@@ -133,6 +133,11 @@ class LocalCopy:
             return f"files of {len(self.commits)} commits ({', '.join(sorted(c[:12] for c in self.commits))})"
         return f"commit {self.commit}" if self.commit else "no record of the revision it was downloaded at"
 
+    def pinned(self, revision: str | None) -> bool:
+        """``revision`` is this copy's commit (spelled in full or shortened), or None: nothing to ask the Hub."""
+        return revision is None or (self.commit is not None and _COMMIT.match(revision.lower()) is not None
+                                    and self.commit.startswith(revision.lower()))
+
     def match(self, revision: str | None, resolved: str | None = None) -> RevisionMatch:
         """This copy against ``revision`` (a branch, tag or commit; None: any); ``resolved``: the commit the Hub says
         ``revision`` names now, when it could be asked."""
@@ -215,9 +220,11 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
                            "dataset.repo_id=${HF_USER}/my_dataset")
     local_dir = lerobot_home(env) / cfg.repo_id
     offline = hub_offline(env)
-    resolved = None if offline else _resolve_revision(cfg.repo_id, cfg.revision)
+    resolved = None
     if _is_complete(local_dir):  # LeRobot's cache, or a download of an earlier start
         copy = LocalCopy.read(local_dir)
+        if not offline and not copy.pinned(cfg.revision):  # a branch or tag: which commit it names now
+            resolved = _resolve_revision(cfg.repo_id, cfg.revision)
         if copy.match(cfg.revision, resolved) is RevisionMatch.SAME:
             return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, copy.commit, "cache")
         if offline:
@@ -254,7 +261,7 @@ def _given_root(cfg: DatasetConfig, env: Mapping[str, str] | None) -> DatasetSou
     if cfg.revision is None:
         return DatasetSource(str(root), cfg.repo_id, None, copy.commit, "root")
     resolved = None
-    if cfg.repo_id is not None and not hub_offline(env) and copy.commit is not None:
+    if cfg.repo_id is not None and not hub_offline(env) and copy.commit is not None and not copy.pinned(cfg.revision):
         resolved = _resolve_revision(cfg.repo_id, cfg.revision)
     if copy.match(cfg.revision, resolved) is not RevisionMatch.SAME:
         raise config_error(
@@ -297,7 +304,7 @@ def download_dataset(repo_id: str, revision: str | None, local_dir: Path) -> str
     place: huggingface_hub fetches the files that differ, and files of the old commit the new one lacks are removed);
     returns the commit it downloaded."""
     fetch = fetch_command(repo_id, local_dir, revision)
-    where = f"is not in LeRobot's cache ({local_dir}) at that revision"
+    where = f"is not in LeRobot's cache ({local_dir})" + (" at that revision" if _is_complete(local_dir) else "")
     try:
         commit = HfApi().dataset_info(repo_id, revision=revision).sha or revision or "main"
         local_dir.mkdir(parents=True, exist_ok=True)

@@ -124,13 +124,14 @@ class FakeHub:
     ``trees[commit] = folder``. The download writes what huggingface_hub writes (files and metadata)."""
 
     def __init__(self, revisions: dict[str, str], trees: dict[str, Path]) -> None:
-        self.revisions, self.trees, self.downloads = revisions, trees, []
+        self.revisions, self.trees, self.downloads, self.asked = revisions, trees, [], []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         hub_ = self
 
         class Api:
             def dataset_info(self, repo_id: str, revision: str | None = None):
+                hub_.asked.append(revision)
                 sha = hub_.revisions.get(revision or "main", revision)
                 return type("Info", (), {"sha": sha})()
 
@@ -171,7 +172,11 @@ def test_online_a_cached_copy_at_the_commit_the_hub_names_is_read_as_it_is(home:
     fake = FakeHub({"v3.0": OLD}, {})
     fake.install(monkeypatch)
     source = resolve_dataset(_cfg(repo_id="me/ds", revision="v3.0"), {"HF_LEROBOT_HOME": str(home)})
-    assert (source.commit, source.how, fake.downloads) == (OLD, "cache", [])
+    assert (source.commit, source.how, fake.downloads, fake.asked) == (OLD, "cache", [], ["v3.0"])
+    # A commit the copy is at, or no revision: nothing to ask the Hub (a node without a network starts as offline).
+    for revision in (OLD, OLD[:7], None):
+        assert resolve_dataset(_cfg(repo_id="me/ds", revision=revision), {"HF_LEROBOT_HOME": str(home)}).commit == OLD
+    assert fake.asked == ["v3.0"]
 
 
 # --- dataset.root -----------------------------------------------------------------------------------------------
