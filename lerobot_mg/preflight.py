@@ -3,9 +3,11 @@
 :func:`preflight` runs on every rank at the top of ``train()`` (and for each point of a SLURM sweep before anything
 is queued): the launch environment, the config's fields against each other and the layout, this machine's device,
 the base at ``policy.path`` and the ``peft.*`` group, the dataset's metadata against the policy and the batch, the
-checkpoint to resume, the policy built once on the meta device and the memory plan of the layout. Each refusal is a
-``ConfigError`` in the one style (``key=value: problem. Fix: override``); what the checks read (the dataset's
-metadata, the resume point, the plan) is returned for ``train()`` to reuse, so no file is read twice.
+checkpoint to resume, the policy built once on the meta device, the memory plan of the layout, and the training
+dataset opened with its dataset cache built (a long first build never runs inside a collective's timeout). Each
+refusal is a ``ConfigError`` in the one style (``key=value: problem. Fix: override``); what the checks read (the
+dataset's metadata and the opened dataset, the resume point, the plan) is returned for ``train()`` to reuse, so no
+file is read twice.
 """
 
 from __future__ import annotations
