@@ -3,13 +3,16 @@
 :func:`preflight` runs on every rank at the top of ``train()`` (and for each point of a SLURM sweep before anything
 is queued): the launch environment, the config's fields against each other and the layout, this machine's device,
 the base at ``policy.path`` and the ``peft.*`` group, the dataset's metadata against the policy and the batch, the
-checkpoint to resume, the policy built once on the meta device and the memory plan of the layout. Each refusal is a
-``ConfigError`` in the one style (``key=value: problem. Fix: override``); what the checks read (the dataset's
-metadata, the resume point, the plan) is returned for ``train()`` to reuse, so no file is read twice.
+checkpoint to resume, the policy built once on the meta device, the memory plan of the layout, and the training
+dataset opened with its dataset cache built (a long first build never runs inside a collective's timeout). Each
+refusal is a ``ConfigError`` in the one style (``key=value: problem. Fix: override``); what the checks read (the
+dataset's metadata and the opened dataset, the resume point, the plan) is returned for ``train()`` to reuse, so no
+file is read twice.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +25,9 @@ from lerobot_mg.config.choices import DatasetName
 from lerobot_mg.config.loading import check_resume_request
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.config.validate import validate
+from lerobot_mg.data import cache
 from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_dataset
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.data.split import EpisodeSplit, split_episodes
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
@@ -41,8 +46,10 @@ from lerobot_mg.errors import config_error
 from lerobot_mg.peft.base import check_policy_path, stored_dtype
 from lerobot_mg.peft.build import build_policy
 from lerobot_mg.peft.lora import check_peft_config
-from lerobot_mg.policies.base import features_from_dataset
+from lerobot_mg.policies.base import delta_timestamps, features_from_dataset
 from lerobot_mg.sim.checks import check_sim_evaluation
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class Preflight:
     split: EpisodeSplit  # the episodes that train and those held out for the validation loss
     resume: ResumePoint | None  # the checkpoint this start continues, or None for a new run
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
+    # The training episodes as the run reads them, their dataset cache built (None for a plan or a SLURM submission)
+    train_data: LeRobotDataset | None = None
 
 
 def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, launched: bool = False, *,
@@ -82,12 +91,15 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     dataset, split = check_dataset(cfg, dims.dp_world_size, Path(source.root))
     check_sim_evaluation(cfg, dataset.features)
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
-    memory = plan_memory(cfg, dims, meta_policy(cfg, dataset))  # the wrap, checkpointing and compile units are chosen (and checked) here
+    policy = meta_policy(cfg, dataset)
+    memory = plan_memory(cfg, dims, policy)  # the wrap, checkpointing and compile units are chosen (and checked) here
     if on_this_machine and not cfg.plan:
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
     if cfg.plan:  # the printout says whether the plan fits
         memory = replace(memory, budget=plan_budget(cfg, memory, dims.local_rank))
-    return Preflight(dims, dataset, source, split, resume, memory)
+    train_data = open_training_data(cfg, dataset, split, policy, dims.local_rank, env) if (
+        on_this_machine and not cfg.plan) else None
+    return Preflight(dims, dataset, source, split, resume, memory, train_data)
 
 
 def planned_world_size(cfg: TrainConfig, launched: int) -> int:
@@ -211,6 +223,26 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[Dat
             f"batch_size={num_samples // dp_world_size}, or fewer processes",
         )
     return meta, split
+
+
+def open_training_data(cfg: TrainConfig, meta: DatasetMeta, split: EpisodeSplit, policy: nn.Module,
+                       local_rank: int, env: Mapping[str, str] | None = None) -> LeRobotDataset:
+    """The training episodes as the run reads them (the policy's features, images as uint8), with their dataset
+    cache entries built here, before any process group exists: a first build on a large dataset takes minutes
+    (logged column by column), which the other nodes' ranks would otherwise spend in a collective that times out.
+    The validation episodes' entry is built too, for the evaluator to open. The first rank of each machine first
+    removes what the cache's retention rule no longer keeps (``lerobot_mg.data.cache.clean``)."""
+    days = cache.keep_days(env)
+    if local_rank == 0:
+        cleaned = cache.clean(days)
+        if cleaned.unused or cleaned.abandoned:
+            logger.info("dataset cache: removed %d entries unused for %g days and %d folders of killed builds",
+                        len(cleaned.unused), days, len(cleaned.abandoned))
+    keys = [*policy.input_features, *policy.output_features]
+    deltas = delta_timestamps(cfg.policy, meta.features, meta.fps)
+    if split.val:
+        LeRobotDataset(meta, deltas, split.val, keys=keys, uint8_visuals=True)
+    return LeRobotDataset(meta, deltas, split.train, keys=keys, uint8_visuals=True)
 
 
 def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:

@@ -99,8 +99,9 @@ class RunFacts:
     resumed_from: str | None = None  # the checkpoint this start resumed; None for a fresh start
     continuation: Continuation | None = None  # how exactly that resume continues the sample stream
     resume_cause: ResumeCause | None = None  # why it resumed
-    # Where the dataset was read: root (the resolved directory), repo_id, revision (asked for, or the commit this
-    # start downloaded) and how it was found (root | cache | download); lerobot_mg.data.hub.DatasetSource.
+    # Where the dataset was read: root (the resolved directory), repo_id, revision (dataset.revision, as asked for),
+    # commit (the Hub commit the files read were downloaded at; None when the directory records none) and how it was
+    # found (root | cache | download); lerobot_mg.data.hub.DatasetSource.
     dataset_source: dict | None = None
 
     @classmethod
@@ -136,10 +137,12 @@ class RunFacts:
 
     def _source(self) -> str:
         source = self.dataset_source
-        if not source or source.get("repo_id") is None:
+        if not source or (source.get("repo_id") is None and source.get("commit") is None):
             return ""
-        at = f"@{source['revision']}" if source.get("revision") else ""
-        return f" ({source['repo_id']}{at}, {source['how']}: {source['root']})"
+        commit = source.get("commit")
+        at = f"@{commit[:12]}" if commit else " (commit unknown)"
+        asked = f", revision {source['revision']}" if source.get("revision") else ""
+        return f" ({source.get('repo_id') or 'a Hub download'}{at}{asked}, {source['how']}: {source['root']})"
 
 
 def _compared(facts: RunFacts, name: str) -> Any:

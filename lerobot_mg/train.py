@@ -17,7 +17,6 @@ from lerobot_mg.checkpoint.resume import training_step
 from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
-from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.loader import endless_batches
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import (
@@ -39,7 +38,6 @@ from lerobot_mg.launch.sweep import SweepJob
 from lerobot_mg.optim import apply_optimizer_config, describe_schedule, make_optimizer, make_scheduler
 from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
 from lerobot_mg.peft.lora import AdapterWeights
-from lerobot_mg.policies.base import delta_timestamps
 from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
@@ -81,8 +79,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
 
     policy = build_policy(cfg, meta.features)  # fresh, the base at policy.path, or that base under LoRA
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
-    dataset = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), checked.split.train,
-                             keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
+    dataset = checked.train_data  # opened by the preflight, which built its dataset cache before any process group
+    assert dataset is not None
     sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
                                      cache_dir=dataset.cache_dir)
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's

@@ -3,40 +3,66 @@
 A rank that held its dataset's columns in its own memory would hold them once per rank (and the DataLoader
 workers' copy-on-write pages drift apart as Python touches reference counts): for a 20M-frame dataset, gigabytes
 per rank. Instead the columns a run reads, the episodes table and the sampler's permutations are written once per
-dataset and machine as plain files (numpy ``.npy``, Arrow IPC) and memory-mapped read-only: the page cache holds
-one copy that every rank and worker of the machine shares.
+dataset as plain files (numpy ``.npy``, Arrow IPC) and memory-mapped read-only: the page cache holds one copy that
+every rank and worker of a machine shares.
 
-Where: ``<dataset root>/.lerobot_mg_cache`` when the dataset's folder is writable, else
-``$LEROBOT_MG_CACHE/dataset_cache/<dataset name>-<hash of its path>`` (``$LEROBOT_MG_CACHE`` defaults to
-``~/.cache/lerobot_mg``); a dataset shipped inside the package (the PushT slice) always takes the latter: the
-installed package's files are the installer's, and the next install would remove a cache written among them. Deleting the folder is always safe: the next start writes it again.
+Where: ``$LEROBOT_MG_DATASET_CACHE/<fingerprint>/``, by default ``$LEROBOT_MG_CACHE/datasets-cache/<fingerprint>/``
+(``$LEROBOT_MG_CACHE`` defaults to ``~/.cache/lerobot_mg``; its ``datasets/`` folder holds the generated embedded
+datasets). Never inside the dataset's folder: the dataset stays what was downloaded (a later upload does not carry
+the cache), a read-only or shipped dataset caches like any other, and copies of one dataset revision at different
+paths share one cache. Deleting the folder is always safe: the next start writes it again.
 
-Each entry is a folder with a ``manifest.json`` that records what it was built from (its key: the dataset's
-fingerprint, the columns, the data files' sizes and modification times) and the size of every file in it. Entries
-are built into a temporary folder and renamed into place while holding a file lock, so ranks of one machine that
-start together build an entry once and the others wait for it. An entry whose key no longer matches the dataset
-(the dataset changed: stale) or whose files are missing or have another size (truncated) is rebuilt, with a
-warning; it is never read.
+Each entry is a folder with a ``manifest.json`` that records what it was built from (its key) and the size of every
+file in it. An entry is built into a private temporary folder (``.<entry>.building-<host>-<pid>-<random>``) and
+published by one atomic rename: when two processes build the same entry at once (two nodes on a shared file system,
+whatever their locks do), the first rename wins and the other process reads the winner's entry and discards its
+own. A lock per entry (``flock`` on one of 256 lock files in ``locks/``, never deleted) only spares the ranks of a
+machine the duplicate work where the file system supports it; correctness never depends on it. An entry whose key
+does not match (stale) or whose files are missing or have another size (truncated) is rebuilt, with a warning; it is
+never read.
+
+Kept bounded by :func:`clean` (every start, in the preflight): an entry no start has opened for
+``$LEROBOT_MG_CACHE_DAYS`` days (30 by default) is removed, and so is a temporary folder left by a killed build (at
+once when its process is known dead on this machine, else after a day without a write). The sampler keeps the
+permutations of the current and previous epoch only.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CACHE_DIRNAME = ".lerobot_mg_cache"
-_PACKAGE = Path(__file__).resolve().parents[1]
+from lerobot_mg.errors import config_error
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "LEROBOT_MG_DATASET_CACHE"
+KEEP_DAYS_ENV = "LEROBOT_MG_CACHE_DAYS"
+DEFAULT_KEEP_DAYS = 30.0
+ABANDONED_AFTER_S = 24 * 3600  # a temporary folder of another machine nothing wrote to for a day
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LOCKS_DIR = "locks"
+LOCK_BUCKETS = 256
+# A build's or a removal's temporary folder: .<entry>.building-<host>-<pid>-<random> / .<entry>.old-<...>
+_TEMPORARY = re.compile(r"^\.(?P<entry>.+?)\.(?P<kind>building|old)-(?P<host>.+)-(?P<pid>\d+)-(?P<random>[^-]+)$")
+# What flock raises on a file system that does not support it (Lustre without -o flock, some NFS mounts).
+_NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP}
 
 
 class StaleCacheWarning(UserWarning):
@@ -48,24 +74,32 @@ def user_cache_dir() -> Path:
     return Path(os.environ.get("LEROBOT_MG_CACHE") or Path.home() / ".cache" / "lerobot_mg")
 
 
-def cache_root(dataset_root: Path) -> Path:
-    """The cache folder of ``dataset_root`` (created): next to the dataset when that folder is writable and not part
-    of the installed package, else under the user cache folder."""
-    dataset_root = Path(dataset_root).resolve()
-    local = dataset_root / CACHE_DIRNAME
-    shipped = _PACKAGE in dataset_root.parents
-    if not shipped and local.is_dir() and os.access(local, os.W_OK):
-        return local
-    if not shipped and os.access(dataset_root, os.W_OK):
-        try:
-            local.mkdir(exist_ok=True)
-            return local
-        except OSError:
-            pass
-    name = hashlib.sha256(str(dataset_root).encode()).hexdigest()[:16]
-    fallback = user_cache_dir() / "dataset_cache" / f"{dataset_root.name}-{name}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+def datasets_cache_dir() -> Path:
+    """The dataset cache: ``$LEROBOT_MG_DATASET_CACHE``, else ``$LEROBOT_MG_CACHE/datasets-cache``."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    return Path(explicit).expanduser() if explicit else user_cache_dir() / "datasets-cache"
+
+
+def cache_root(fingerprint: str) -> Path:
+    """The cache folder of the dataset revision ``fingerprint`` (created)."""
+    root = datasets_cache_dir() / fingerprint
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def keep_days(env: Mapping[str, str] | None = None) -> float:
+    """Days an entry stays without a start opening it: ``$LEROBOT_MG_CACHE_DAYS``, else 30."""
+    value = (os.environ if env is None else env).get(KEEP_DAYS_ENV)
+    if not value:
+        return DEFAULT_KEEP_DAYS
+    try:
+        days = float(value)
+    except ValueError:
+        days = 0.0
+    if days <= 0:
+        raise config_error(KEEP_DAYS_ENV, value, "must be a positive number of days (how long an unused dataset "
+                           "cache entry is kept)", f"export {KEEP_DAYS_ENV}={DEFAULT_KEEP_DAYS:g}")
+    return days
 
 
 def digest(value: Any) -> str:
@@ -74,12 +108,24 @@ def digest(value: Any) -> str:
 
 
 @contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (created), shared by every process of the machine."""
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def machine_lock(root: Path, name: str) -> Iterator[bool]:
+    """An exclusive ``flock`` shared by the processes of a machine that build or remove ``root/name``; yields whether
+    it holds one. The lock files (one of ``LOCK_BUCKETS`` beside the fingerprint folders) are never deleted: a
+    process may hold one at any time. Where the file system refuses ``flock``, nothing is locked: the atomic
+    publication of :func:`entry` keeps the cache correct without it."""
+    locks = root.parent / LOCKS_DIR
+    locks.mkdir(parents=True, exist_ok=True)
+    bucket = int(hashlib.sha256(f"{root.name}/{name}".encode()).hexdigest()[:8], 16) % LOCK_BUCKETS
+    with open(locks / f"{bucket:02x}.lock", "a+b") as handle:
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in _NO_LOCKING:
+                raise
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -88,12 +134,12 @@ def _problem(entry: Path, key: dict[str, Any]) -> str | None:
     """Why ``entry`` cannot be read (None when it can): absent (""), stale or truncated."""
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return ""
     except (OSError, ValueError):
         return "its manifest is unreadable"
     if manifest.get("format") != FORMAT_VERSION or manifest.get("key") != key:
-        return "it was built from another revision of the dataset (stale)"
+        return "its key does not match what this run reads (stale)"
     for name, size in manifest.get("files", {}).items():
         path = entry / name
         if not path.is_file():
@@ -103,39 +149,163 @@ def _problem(entry: Path, key: dict[str, Any]) -> str | None:
     return None
 
 
+def _temporary(root: Path, name: str, kind: str) -> Path:
+    """A new private folder ``.<name>.<kind>-<host>-<pid>-<random>`` in ``root``."""
+    root.mkdir(parents=True, exist_ok=True)  # a clean elsewhere may have removed an empty fingerprint folder
+    return Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-{socket.gethostname()}-{os.getpid()}-", dir=root))
+
+
+def discard(folder: Path) -> None:
+    """Remove an entry: renamed out of its name first (a reader never sees a half-removed entry), then deleted.
+    Another process removing it at the same time is no error."""
+    aside = _temporary(folder.parent, folder.name, "old")
+    try:
+        os.rename(folder, aside / folder.name)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _publish(building: Path, folder: Path, key: dict[str, Any]) -> bool:
+    """Rename the built ``building`` to ``folder``; False when another process published a valid entry there first
+    (the caller reads theirs). An invalid entry in the way is moved aside first."""
+    for _ in range(8):
+        try:
+            os.rename(building, folder)  # atomic; refused while a non-empty folder has the name
+            return True
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if _problem(folder, key) is None:
+            return False  # another process won: its entry is as good as ours
+        aside = _temporary(folder.parent, folder.name, "old")
+        try:
+            os.rename(folder, aside / folder.name)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        else:
+            # Between the check and the move another process may have published a valid entry: put it back.
+            if _problem(aside / folder.name, key) is None:
+                try:
+                    os.rename(aside / folder.name, folder)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    return False
+                except OSError:
+                    pass
+        shutil.rmtree(aside, ignore_errors=True)
+    raise RuntimeError(f"{folder}: could not be published after 8 tries; other processes keep replacing it")
+
+
+def _mark_used(folder: Path) -> None:
+    """Record that a start opened ``folder`` (its manifest's modification time), for :func:`clean`."""
+    try:
+        os.utime(folder / MANIFEST)
+    except OSError:
+        pass  # a read-only cache: nothing will clean it either
+
+
 @contextmanager
 def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], None]) -> Iterator[Path]:
     """The folder ``root/name`` valid for ``key``, built by ``build(folder)`` when missing, stale or truncated.
 
-    Held under the entry's lock while the caller opens its files (a rebuild elsewhere then cannot remove them
-    between the check and the open; an open memory map outlives a later removal).
+    The caller opens its files inside the ``with``: on a machine whose file system supports ``flock`` the entry's
+    lock is held meanwhile, so a removal there waits (an open memory map outlives a later removal).
     """
     folder = root / name
-    with file_lock(root / f"{name}.lock"):
+    with machine_lock(root, name):
         problem = _problem(folder, key)
         if problem is not None:
             if problem:
                 warnings.warn(f"the dataset cache {folder} is not read: {problem}; rebuilding it",
                               StaleCacheWarning, stacklevel=3)
-            building = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
+            started = time.monotonic()
+            logger.info("dataset cache: building %s", folder)
+            building = _temporary(root, name, "building")
             try:
                 build(building)
                 files = {path.name: path.stat().st_size for path in building.iterdir()}
                 manifest = {"format": FORMAT_VERSION, "key": key, "files": files}
                 (building / MANIFEST).write_text(json.dumps(manifest, indent=1))
-                if folder.exists():
-                    old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
-                    os.replace(folder, old / name)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.replace(building, folder)
+                won = _publish(building, folder, key)
             finally:
                 shutil.rmtree(building, ignore_errors=True)
+            logger.info("dataset cache: %s %s in %.1f s", "built" if won else "another process built", folder,
+                        time.monotonic() - started)
+        _mark_used(folder)
         yield folder
 
 
-def remove(path: Path) -> None:
-    """Remove an entry or its lock file (best effort: another process may be removing it too)."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+@dataclass(frozen=True)
+class Cleaned:
+    """What :func:`clean` removed: entries unused for the retention period, and abandoned temporary folders."""
+
+    unused: tuple[Path, ...]
+    abandoned: tuple[Path, ...]
+
+
+def _abandoned(folder: Path, now: float) -> bool:
+    """A build's or removal's temporary folder whose process is gone: known dead on this machine, or nothing in it
+    written for ``ABANDONED_AFTER_S``."""
+    match = _TEMPORARY.match(folder.name)
+    if match is None:
+        return False
+    if match["host"] == socket.gethostname():
+        try:
+            os.kill(int(match["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's
+    try:
+        newest = max([folder.stat().st_mtime, *(path.stat().st_mtime for path in folder.rglob("*"))])
+    except FileNotFoundError:
+        return False  # being removed or published right now
+    return now - newest > ABANDONED_AFTER_S
+
+
+def _last_used(folder: Path) -> float | None:
+    """When a start last opened the entry ``folder`` (its manifest's modification time), or None when it has no
+    manifest (then the folder's own)."""
+    try:
+        return (folder / MANIFEST).stat().st_mtime
+    except FileNotFoundError:
+        try:
+            return folder.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+
+def clean(days: float | None = None, now: float | None = None) -> Cleaned:
+    """Remove, across the whole dataset cache, the entries no start opened for ``days`` (``keep_days()``), the
+    temporary folders of killed builds and fingerprint folders left empty. Lock files stay. Safe while other
+    processes use the cache: an entry opened within the period is kept, and a removal renames before it deletes."""
+    days = keep_days() if days is None else days
+    now = time.time() if now is None else now
+    base = datasets_cache_dir()
+    unused: list[Path] = []
+    abandoned: list[Path] = []
+    if not base.is_dir():
+        return Cleaned((), ())
+    for root in sorted(base.iterdir()):
+        if root.name == LOCKS_DIR or not root.is_dir():
+            continue
+        for item in sorted(root.iterdir()):
+            if item.name.startswith("."):
+                if item.is_dir() and _abandoned(item, now):
+                    shutil.rmtree(item, ignore_errors=True)
+                    abandoned.append(item)
+                continue
+            used = _last_used(item)
+            if used is None or now - used <= days * 86400:
+                continue
+            with machine_lock(root, item.name):
+                used = _last_used(item)  # a start may have opened it while this one waited
+                if used is not None and now - used > days * 86400:
+                    discard(item)
+                    unused.append(item)
+        try:
+            if now - root.stat().st_mtime > days * 86400:
+                root.rmdir()  # only when empty; a start creates its entries afresh
+        except OSError:
+            pass
+    return Cleaned(tuple(unused), tuple(abandoned))

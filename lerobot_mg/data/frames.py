@@ -9,6 +9,7 @@ of row ranges of the entry, one per episode.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import pyarrow.compute as pc
 from lerobot_mg.data import cache
 from lerobot_mg.data.meta import DEFAULT_FEATURES, REDOWNLOAD_ADVICE, read_parquet
 from lerobot_mg.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def _column_to_numpy(column: pa.ChunkedArray, shape: tuple[int, ...]) -> np.ndarray:
@@ -55,12 +58,14 @@ class FrameStore:
         files = [{"path": path.relative_to(root).as_posix(), "size": path.stat().st_size,
                   "mtime_ns": path.stat().st_mtime_ns} for path in data_paths]
         key = {"fingerprint": fingerprint, "columns": sorted(columns), "files": files}
-        name = f"frames-{cache.digest({'columns': sorted(columns), 'files': [f['path'] for f in files]})}"
+        # Named by everything it is built from: copies of the dataset whose files differ in time (two downloads)
+        # each get an entry rather than replacing each other's.
+        name = f"frames-{cache.digest(key)}"
 
         def build(folder: Path) -> None:
             self._build(folder, data_paths, lengths())
 
-        with cache.entry(cache.cache_root(root), name, key, build) as folder:
+        with cache.entry(cache.cache_root(fingerprint), name, key, build) as folder:
             self.folder = folder
             self._map()
         # The build's column buffers go back to the system, not to the Arrow allocator's reserve.
@@ -93,7 +98,10 @@ class FrameStore:
     def _build(self, folder: Path, data_paths: list[Path], lengths: dict[int, int]) -> None:
         """Every column of the data files, one at a time (the memory a build needs is one column's)."""
         order = None
-        for column in ["episode_index", *[c for c in self.columns if c != "episode_index"]]:
+        columns = ["episode_index", *[c for c in self.columns if c != "episode_index"]]
+        for number, column in enumerate(columns, 1):
+            logger.info("dataset cache: column %d/%d %r of %d data files", number, len(columns), column,
+                        len(data_paths))
             parts = [read_parquet(path, [column]).column(0) for path in data_paths]
             values = pa.chunked_array([chunk for part in parts for chunk in part.chunks])
             if order is None:

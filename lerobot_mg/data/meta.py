@@ -136,7 +136,7 @@ class DatasetMeta:
                     writer.write_table(table)
 
         # Memory-mapped from the dataset cache: the ranks of a machine share one copy of the table.
-        with cache.entry(cache.cache_root(root), "episodes", {"fingerprint": fingerprint}, build) as folder:
+        with cache.entry(cache.cache_root(fingerprint), "episodes", {"fingerprint": fingerprint}, build) as folder:
             episodes = pa.ipc.open_file(pa.memory_map(str(folder / "episodes.arrow"))).read_all()
         blobs.clear()
         pa.default_memory_pool().release_unused()

@@ -105,8 +105,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(mixed_seed))
 
     def _mapped(self, epoch: int) -> torch.Tensor:
-        """The permutation of ``epoch`` from the cache (drawn and written by the first rank of the machine to ask),
-        memory-mapped; entries of epochs two or more behind are removed."""
+        """The permutation of ``epoch`` from the cache (drawn and written by the first process to ask, or by several
+        at once: one publishes, see ``lerobot_mg.data.cache``), memory-mapped; entries of epochs two or more behind
+        are removed (those of other seeds and dataset sizes go with the cache's retention rule)."""
         assert self.cache_dir is not None
         prefix = f"permutation-s{self.seed}-n{self.num_samples}-e"
         key = {"seed": self.seed, "epoch": epoch, "num_samples": self.num_samples}
@@ -115,9 +116,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
             # Copy-on-write: writable for torch, yet the pages stay the shared ones (nothing writes to them).
             permutation = torch.from_numpy(np.load(folder / "permutation.npy", mmap_mode="c"))
         for old in self.cache_dir.glob(f"{prefix}*"):
-            old_epoch = old.name[len(prefix):].split(".")[0]
+            old_epoch = old.name[len(prefix):]
             if old_epoch.isdigit() and int(old_epoch) < epoch - 1:
-                cache.remove(old)
+                cache.discard(old)
         return permutation
 
     def _batch_at(self, epoch: int, window_start: int) -> list[int]:

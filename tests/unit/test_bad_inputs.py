@@ -222,6 +222,12 @@ CATALOGUE = [
              "fetch it while online: hf download me/my_dataset --repo-type dataset --local-dir "
              "/nonexistent/lerobot/me/my_dataset, or dataset.root=<a local copy>",
              env={"HF_HUB_OFFLINE": "1", "HF_LEROBOT_HOME": "/nonexistent/lerobot"}),
+    BadInput("dataset_repo_id_over_a_presets_dataset", ["experiment=pusht_debug", "dataset.repo_id=someone/absent"],
+             "dataset.repo_id='someone/absent': is set together with dataset.root=",
+             "dataset.root=null to read someone/absent from LeRobot's cache or the Hub, or dataset.repo_id=null to "
+             "train on the preset's dataset"),
+    BadInput("dataset_cache_days_not_a_number", [*VALID], "LEROBOT_MG_CACHE_DAYS='a week': must be a positive "
+             "number of days", "export LEROBOT_MG_CACHE_DAYS=30", env={"LEROBOT_MG_CACHE_DAYS": "a week"}),
     # --- publishing (policy.repo_id) -------------------------------------------------------------------------
     BadInput("policy_repo_id_not_a_repo_id", [*VALID, "policy.repo_id=my_trained_policy"],
              "policy.repo_id='my_trained_policy': is not a Hub repo id <user>/<name>",

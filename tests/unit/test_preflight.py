@@ -1,4 +1,5 @@
-"""One start reads the dataset's metadata once and builds the meta-device policy once.
+"""One start reads the dataset's metadata once and builds the meta-device policy once; the preflight builds the
+dataset cache before any process group exists.
 
 A real one-process run of the debug preset, in a process of its own that records every file it opens (Python's
 audit hook sees each ``open``), every parquet read through pyarrow by path (which the audit hook does not see), and
@@ -8,9 +9,15 @@ every policy it constructs with the device its parameters were built on.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import pytest
+import torch
+
+from lerobot_mg.preflight import preflight
 from tests.launch_utils import PUSHT_SLICE, TINY_RUN, run_train
+from tests.unit.test_config import VALID, _train_config
 
 _PROBE = '''
 import json, os, sys
@@ -74,3 +81,28 @@ def test_a_start_reads_the_dataset_metadata_once_and_builds_the_meta_policy_once
     assert not [path for path in seen["parquet_paths"] if path.startswith(str(meta / "episodes"))]
     # One policy on the meta device (the checks and the memory plan), one with memory (the one that trains).
     assert seen["built"] == ["meta", "cpu"], seen["built"]
+
+
+def test_the_preflight_builds_the_dataset_cache_before_any_process_group_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The training episodes' entries (and the validation episodes') exist when the preflight returns, built with a
+    progress line per column; the next start opens them without building."""
+    monkeypatch.setenv("LEROBOT_MG_CACHE", str(tmp_path / "user_cache"))
+    monkeypatch.delenv("LEROBOT_MG_DATASET_CACHE", raising=False)
+    cfg = _train_config([*VALID, "dataset.val_episodes=1"])
+    with caplog.at_level(logging.INFO, logger="lerobot_mg.data"):
+        checked = preflight(cfg, world_size=1)
+    assert not torch.distributed.is_initialized()
+    data = checked.train_data
+    assert data is not None and data.episode_indices == checked.split.train
+    assert data.cache_dir == tmp_path / "user_cache" / "datasets-cache" / checked.dataset.fingerprint
+    built = [record.getMessage() for record in caplog.records if record.getMessage().startswith("dataset cache:")]
+    frames = sorted(data.cache_dir.glob("frames-*"))
+    assert len(frames) == 1  # the slice's one data file holds the training and the held-out episodes
+    for folder in frames:
+        assert f"dataset cache: building {folder}" in built, built
+    assert any(line.startswith("dataset cache: column 2/7 'observation.state' of 1 data files") for line in built)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lerobot_mg.data"):
+        preflight(cfg, world_size=1)
+    assert not [record for record in caplog.records if "building" in record.getMessage()]
