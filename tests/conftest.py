@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from lerobot_mg.sim.backend import configure_headless_rendering, missing_sim_packages
+
+_SESSION_CACHE: list[str] = []  # the dataset cache this session made, removed at its end
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -12,3 +18,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # worker imports it, whichever test file the worker happens to run first.
     if not missing_sim_packages():
         configure_headless_rendering()
+    # The dataset cache goes to a folder of this test session, not the user's ~/.cache/lerobot_mg/datasets-cache:
+    # the ranks and commands a test starts inherit it. The embedded datasets ($LEROBOT_MG_CACHE) stay shared.
+    if "LEROBOT_MG_DATASET_CACHE" not in os.environ:
+        _SESSION_CACHE.append(tempfile.mkdtemp(prefix="lerobot_mg_dataset_cache-"))
+        os.environ["LEROBOT_MG_DATASET_CACHE"] = _SESSION_CACHE[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _SESSION_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
