@@ -224,8 +224,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     def _path_template(self, key: str, default: str, fields: tuple[str, ...]) -> str:
         """info.json's ``key`` (``data_path``, ``video_path``; ``default`` when it has none): a template of file paths
-        whose only fields are ``fields``, a number's with at most a two-digit zero-padded width (``{chunk_index:03d}``),
-        as LeRobot writes them. Anything else (an attribute or index lookup, a conversion, a width that makes a
+        whose only fields are ``fields``, the numbers with at most a two-digit zero-padded width
+        (``{chunk_index:03d}``), as LeRobot writes them. Anything else (an attribute or index lookup, a conversion, a width that makes a
         gigabyte of text) is refused naming the file: info.json may come from someone else."""
         template = self.info.get(key) or default
         problem = None if isinstance(template, str) else "is not a string"
