@@ -8,32 +8,30 @@ unpickler, :mod:`lerobot_mg.checkpoint.unpickle`), finds the data record in the 
 straight into the target tensor when the target is a whole, contiguous CPU tensor of the stored dtype (the common
 case: a resume on the topology that saved). Anything else (a resharded slice, a GPU target, another dtype) is read
 once into a CPU buffer and copied. ``.metadata`` and byte items are read through the allow-lists of
-:mod:`lerobot_mg.checkpoint.unpickle` (torch's reader would ``pickle.load`` them). The writer is torch's own, so
-torch's reader still reads every file.
+:mod:`lerobot_mg.checkpoint.unpickle` (torch's reader would ``pickle.load`` them), each item's archive is checked
+before anything of it is read (stored, not compressed; within the item), and every shard path must stay inside the
+checkpoint folder (:func:`lerobot_mg.safe_paths.contained`). The writer (:func:`save_dcp`) is torch's own, with the
+checkpoint's path recorded as a str, so torch's reader still reads every file and any Python reads its .metadata.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from lerobot_mg.checkpoint.unpickle import RefusedPickle, load_byte_item, read_dcp_metadata, tensor_layout
-
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header: 30 bytes, then name and extra field
-_LOCAL_HEADER_SIGNATURE = 0x04034B50
+from lerobot_mg.checkpoint.unpickle import archive_entries, load_byte_item, read_dcp_metadata, tensor_layout
+from lerobot_mg.safe_paths import RefusedFile, contained
 
 
 class _Slice(io.RawIOBase):
@@ -88,22 +86,19 @@ class _Stored:
 
 
 def _stored_tensor(archive: _Slice, path: str, key: str) -> _Stored:
-    """The one storage record of a ``torch.save``d tensor (its offset in the archive and size) and its layout."""
-    with zipfile.ZipFile(archive) as zf:
-        infos = zf.infolist()
-        records = [info for info in infos if info.filename.rsplit("/", 2)[-2:-1] == ["data"]]
-        pickled = zf.read(next(info for info in infos if info.filename.endswith("/data.pkl")))
+    """The one storage record of a ``torch.save``d tensor (its offset in the archive and size) and its layout. The
+    archive's entries are checked (:func:`~lerobot_mg.checkpoint.unpickle.archive_entries`) before any is read."""
+    entries = archive_entries(archive, path, key)
+    records = [entry for entry in entries.values() if entry.name.rsplit("/", 2)[-2:-1] == ["data"]]
+    pickles = [entry for entry in entries.values() if entry.name.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        raise ValueError(f"expected one data.pkl, found {[entry.name for entry in pickles]}")
+    archive.seek(pickles[0].offset)
+    pickled = archive.read(pickles[0].size)
     dtype, offset, size, stride = tensor_layout(pickled, archive, path, key)  # refuses a pickle of anything else
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-        raise ValueError(f"expected one uncompressed storage record, found {[r.filename for r in records]}")
-    record = records[0]
-    archive.seek(record.header_offset)
-    header = _LOCAL_HEADER.unpack(archive.read(_LOCAL_HEADER.size))
-    if header[0] != _LOCAL_HEADER_SIGNATURE:
-        raise ValueError("not a zip local file header")
-    name_length, extra_length = header[-2], header[-1]
-    record_offset = record.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-    return _Stored(record_offset, record.file_size, dtype, offset, size, stride)
+    if len(records) != 1:
+        raise ValueError(f"expected one storage record, found {[entry.name for entry in records]}")
+    return _Stored(records[0].offset, records[0].size, dtype, offset, size, stride)
 
 
 def _read_exact(file: IO[bytes], offset: int, target: torch.Tensor) -> None:
@@ -130,6 +125,25 @@ def _resaved(value: Any) -> io.BytesIO:
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous CPU tensor's memory (numpy lacks some torch dtypes, uint8 covers them all)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+class _StrPathWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter``, whose .metadata records the checkpoint's path as a str: torch's records the
+    ``pathlib`` path it keeps, pickled under its class's module, which Python 3.13 renamed (``pathlib._local``), so
+    a .metadata of 3.13 names a class that 3.10-3.12 lack."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None and meta.checkpoint_id is not None:
+            meta.checkpoint_id = str(meta.checkpoint_id)
+        return meta
+
+
+def save_dcp(state: dict[str, Any], dcp_dir: Path | str, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into ``dcp_dir`` with torch's writer, but no ``pathlib``
+    class pickled into its .metadata (:class:`_StrPathWriter`), so it reads on every Python. ``kwargs``: dcp.save's
+    (``process_group``, ``no_dist``). Collective over the process group."""
+    dcp.save(state, storage_writer=_StrPathWriter(str(dcp_dir)), **kwargs)
 
 
 class InPlaceFileSystemReader(FileSystemReader):
@@ -159,11 +173,13 @@ class InPlaceFileSystemReader(FileSystemReader):
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        files = shard_files(self.path, {item.storage_index: self.storage_data[item.storage_index]
+                                        for item in plan.items})
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
-            path = self.fs.concat_path(self.path, relative_path)
+            path = files[relative_path]
             with open(path, "rb", buffering=0) as file:
                 # In file order, so the reads run forward through the file.
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
@@ -177,7 +193,7 @@ class InPlaceFileSystemReader(FileSystemReader):
                                                                              item.storage_index.fqn)))
                         else:
                             self._read_tensor(cast(IO[bytes], file), archive, info.offset, item, planner, str(path))
-                    except RefusedPickle:
+                    except RefusedFile:
                         raise
                     except Exception as error:  # say which file and entry: the archive error alone names neither
                         raise RuntimeError(f"{path}: cannot read {item.storage_index.fqn!r} at byte {info.offset:,} "
@@ -207,32 +223,51 @@ class InPlaceFileSystemReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
+def shard_files(dcp_dir: Path | str, storage_data: dict[MetadataIndex, Any]) -> dict[str, Path]:
+    """The shard files ``storage_data`` (of ``dcp_dir``'s .metadata) places its items in, by ``relative_path``, each
+    known to name a regular file inside ``dcp_dir`` (or nothing yet: a missing shard is the caller's to report).
+    Raises :class:`~lerobot_mg.safe_paths.UnsafePath`, naming the item, for a path that leaves ``dcp_dir``."""
+    files: dict[str, Path] = {}
+    for index, info in storage_data.items():
+        name = info.relative_path
+        if not isinstance(name, str) or name not in files:  # contained() refuses anything but a str
+            files[name] = contained(dcp_dir, name, Path(dcp_dir) / ".metadata",
+                                    f"storage_data[{index.fqn!r}].relative_path",
+                                    "use a checkpoint from a source you trust")
+    return files
+
+
 def load_dcp(state: dict[str, Any], dcp_dir: Path, metadata: Metadata | None = None, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load`` of ``dcp_dir`` into ``state`` through :class:`InPlaceFileSystemReader`
-    (``metadata``: its .metadata, already read by ``read_dcp_metadata``). A refused pickle raises its one-line
-    :class:`RefusedPickle` on every rank, not torch's per-rank report of it (.metadata is read before torch's load
-    starts: torch would catch the refusal and look for per-rank metadata files instead)."""
+    (``metadata``: its .metadata, already read by ``read_dcp_metadata``). A refused file (a pickle that names
+    anything but checkpoint data, a compressed archive entry, a shard path out of ``dcp_dir``) raises its one-line
+    :class:`~lerobot_mg.safe_paths.RefusedFile` on every rank, not torch's per-rank report of it (.metadata is read
+    before torch's load starts: torch would catch the refusal and look for per-rank metadata files instead)."""
     if metadata is None:
         metadata = read_dcp_metadata(dcp_dir)
     try:
         dcp.load(state, storage_reader=InPlaceFileSystemReader(dcp_dir, metadata), **kwargs)
     except CheckpointException as error:
-        refusals = [failure[0] for failure in error.failures.values() if isinstance(failure[0], RefusedPickle)]
+        refusals = [failure[0] for failure in error.failures.values() if isinstance(failure[0], RefusedFile)]
         if refusals:
             raise refusals[0] from None
         raise
 
 
-def item_problems(dcp_dir: Path, metadata: Metadata) -> list[str]:
+def item_problems(dcp_dir: Path, metadata: Metadata, files: dict[str, Path] | None = None) -> list[str]:
     """Reads every item's pickle (not the tensor data): byte items through the weights-only load, tensor items'
-    layouts through the restricted unpickler. Raises :class:`RefusedPickle` on a pickle that names anything else;
-    returns the items that do not read (a damaged archive). The shard files must be whole (sizes checked)."""
+    layouts through the restricted unpickler. Raises :class:`~lerobot_mg.safe_paths.RefusedFile` on a pickle that
+    names anything else, a compressed or oversized archive entry, or a shard path out of ``dcp_dir``; returns the
+    items that do not read (a damaged archive). The shard files must be whole (sizes checked); ``files``: their
+    :func:`shard_files`, when the caller has them."""
+    if files is None:
+        files = shard_files(dcp_dir, metadata.storage_data)
     by_file: dict[str, list[Any]] = {}
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index, info))
     problems = []
     for relative_path, entries in sorted(by_file.items()):
-        path = Path(dcp_dir) / relative_path
+        path = files[relative_path]
         with open(path, "rb", buffering=0) as file:
             for index, info in sorted(entries, key=lambda entry: entry[1].offset):
                 archive = _Slice(cast(IO[bytes], file), info.offset, info.length)
@@ -241,7 +276,7 @@ def item_problems(dcp_dir: Path, metadata: Metadata) -> list[str]:
                         load_byte_item(archive.read(), path, index.fqn)
                     else:
                         _stored_tensor(archive, str(path), index.fqn)
-                except RefusedPickle:
+                except RefusedFile:
                     raise
                 except Exception as error:  # a damaged archive: BadZipFile, ValueError, RuntimeError...
                     problems.append(f"{relative_path} (item {index.fqn!r} unreadable: {type(error).__name__})")

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.dcp_io import load_dcp
+from lerobot_mg.checkpoint.dcp_io import load_dcp, save_dcp
 from lerobot_mg.checkpoint.state import (
     flatten_optimizer_state,
     read_json,
@@ -166,7 +165,7 @@ class CheckpointFiles:
 
     def _dcp_save(self, directory: Path, state: dict[str, Any]) -> None:
         """Collective over this rank's DCP group (the side group when asynchronous)."""
-        dcp.save(state, checkpoint_id=directory, process_group=self._group)
+        save_dcp(state, directory, process_group=self._group)
 
     def _load_model(self, model: nn.Module, pretrained: Path) -> None:
         strict = self.adapter is None

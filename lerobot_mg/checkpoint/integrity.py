@@ -13,9 +13,10 @@ import struct
 from pathlib import Path
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.dcp_io import item_problems
-from lerobot_mg.checkpoint.unpickle import RefusedPickle, read_dcp_metadata
+from lerobot_mg.checkpoint.dcp_io import item_problems, shard_files
+from lerobot_mg.checkpoint.unpickle import read_dcp_metadata
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.safe_paths import RefusedFile
 
 
 def earlier_checkpoint_fix(step_dir: Path) -> str:
@@ -26,27 +27,29 @@ def earlier_checkpoint_fix(step_dir: Path) -> str:
 
 def dcp_problems(dcp_dir: Path) -> list[str]:
     """Shard files the DCP metadata references that are missing or shorter than the data it places in them, and
-    items whose pickle does not read. Raises ``RefusedPickle`` (a ``ConfigError``) when .metadata or an item's pickle
-    names anything a checkpoint never holds: nothing of it is run."""
+    items whose pickle does not read. Raises :class:`~lerobot_mg.safe_paths.RefusedFile` (a ``ConfigError``) when
+    .metadata or an item's pickle names anything a checkpoint never holds, an item's archive entry is compressed or
+    larger than the item, or a shard's path leads out of ``dcp_dir``: nothing of it is run or inflated."""
     try:
         metadata = read_dcp_metadata(dcp_dir)
     except FileNotFoundError:
         return [".metadata (missing)"]
-    except RefusedPickle:
+    except RefusedFile:
         raise
     except Exception as error:  # a truncated pickle: EOFError, UnpicklingError, ...
         return [f".metadata (unreadable: {type(error).__name__})"]
+    files = shard_files(dcp_dir, metadata.storage_data or {})
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     problems = []
     for name, end in sorted(ends.items()):
-        path = dcp_dir / name
+        path = files[name]
         if not path.is_file():
             problems.append(f"{name} (missing)")
         elif path.stat().st_size < end:
             problems.append(f"{name} (truncated: {path.stat().st_size:,} of {end:,} bytes)")
-    return problems or item_problems(dcp_dir, metadata)
+    return problems or item_problems(dcp_dir, metadata, files)
 
 
 def safetensors_problem(path: Path) -> str | None:

@@ -12,6 +12,11 @@ A DCP checkpoint holds pickles in three places, and a checkpoint from someone el
   unpickler that resolves only the tensor rebuild function and the storage types (and ``torch.load(weights_only=True)``
   for a layout it does not know).
 
+Before any entry of an item's ``torch.save`` archive is read, by us or by ``torch.load``, :func:`archive_entries`
+checks the archive's zip directory: every entry stored uncompressed, its data within the item. torch writes them
+so; a compressed entry (a zip bomb inflates a few kilobytes into gigabytes, and torch's reader would inflate it) or
+one that claims more bytes than the item holds is refused in one line, nothing inflated.
+
 The files themselves are torch's own format, unchanged: torch's reader still reads every checkpoint this package
 writes.
 """
@@ -20,12 +25,15 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pathlib
 import pickle
 import pickletools
 import re
+import struct
 import warnings
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +42,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.safe_paths import RefusedFile
 
 _DCP_METADATA_CLASSES = (
     dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta, dcp_metadata.TensorProperties,
@@ -53,10 +61,13 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # a save on Windows, read on any system
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    # pathlib's classes live in pathlib up to Python 3.12 and in pathlib._local from 3.13: a checkpoint saved on
+    # either reads on any. This package's own writer pickles a str (dcp_io.save_dcp); these are for checkpoints that
+    # other writers, or earlier versions of this package, saved with a pathlib path.
+    **{(module, name): cls for module in ("pathlib", "pathlib._local") for name, cls in (
+        ("PosixPath", pathlib.PosixPath), ("PurePosixPath", pathlib.PurePosixPath),
+        ("WindowsPath", pathlib.PureWindowsPath),  # a save on Windows, read on any system
+        ("PureWindowsPath", pathlib.PureWindowsPath))},
     **{("torch", name): dtype for name, dtype in _DTYPES.items()},
 }
 # The only objects whose attributes a pickle may set (pickle's BUILD): instances of the metadata dataclasses. A BUILD
@@ -64,7 +75,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 _BUILDABLE = frozenset(_DCP_METADATA_CLASSES)
 
 
-class RefusedPickle(ConfigError):
+class RefusedPickle(RefusedFile):
     """A checkpoint file holds a pickle this package will not load: it names something that is not checkpoint data,
     which could run code. Nothing of the file was loaded."""
 
@@ -124,6 +135,63 @@ def read_dcp_metadata(dcp_dir: Path | str) -> Metadata:
 
 # --- .distcp items -------------------------------------------------------------------------------------------------
 
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header: 30 bytes, then name and extra field
+_LOCAL_HEADER_SIGNATURE = 0x04034B50
+_ZIP_MAGIC = b"PK\x03\x04"  # how torch.load tells a torch.save archive from a legacy pickle
+
+
+@dataclass(frozen=True)
+class ArchiveEntry:
+    """An entry of a ``torch.save`` archive, stored as it is: its bytes are ``[offset, offset + size)`` of the
+    archive."""
+
+    name: str
+    offset: int
+    size: int
+
+
+def archive_refused(path: Path | str, key: str, entry: str, problem: str) -> RefusedFile:
+    """The one-line refusal of the archive of item ``key`` of ``path`` whose ``entry`` has ``problem``."""
+    return RefusedFile(
+        f"{path}: item {key!r}: its archive entry {entry!r} {problem}; torch stores every entry of a checkpoint item "
+        "uncompressed within the item, so nothing of it was inflated or read. Fix: use a checkpoint from a source you "
+        "trust"
+    )
+
+
+def archive_entries(archive: IO[bytes], path: Path | str, key: str) -> dict[str, ArchiveEntry]:
+    """The entries of ``archive`` (the ``torch.save`` archive of item ``key`` of ``path``) by name, read from its zip
+    directory and local headers alone. Raises :class:`RefusedFile` for an entry that is compressed or whose data
+    would end beyond the archive: nothing is inflated, and no entry can claim more memory than the file holds.
+    A damaged archive raises zipfile's ``BadZipFile`` or ``ValueError``."""
+    length = archive.seek(0, os.SEEK_END)
+    archive.seek(0)
+    with zipfile.ZipFile(archive) as zf:
+        infos = zf.infolist()
+    entries = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise archive_refused(path, key, info.filename, f"is compressed (zip method {info.compress_type})")
+        if info.compress_size != info.file_size:
+            raise archive_refused(path, key, info.filename, f"claims {info.file_size:,} bytes stored in "
+                                                            f"{info.compress_size:,}")
+        if info.header_offset + _LOCAL_HEADER.size > length:
+            raise archive_refused(path, key, info.filename, f"starts beyond the item's {length:,} bytes")
+        archive.seek(info.header_offset)
+        header = _LOCAL_HEADER.unpack(archive.read(_LOCAL_HEADER.size))
+        if header[0] != _LOCAL_HEADER_SIGNATURE:
+            raise ValueError(f"entry {info.filename!r}: no zip local file header at byte {info.header_offset:,}")
+        if header[3] != zipfile.ZIP_STORED:
+            raise archive_refused(path, key, info.filename, f"is compressed (zip method {header[3]} in its header)")
+        offset = info.header_offset + _LOCAL_HEADER.size + header[-2] + header[-1]
+        if offset + info.file_size > length:
+            raise archive_refused(path, key, info.filename, f"claims {info.file_size:,} bytes from byte {offset:,}, "
+                                                            f"beyond the item's {length:,} bytes")
+        entries[info.filename] = ArchiveEntry(info.filename, offset, info.file_size)
+    archive.seek(0)
+    return entries
+
+
 _TORCH_REFUSAL = re.compile(r"GLOBAL (\S+)|unrecognized function (\S+)|but got (<[^>]+>)")
 
 
@@ -155,12 +223,14 @@ def _global_names(pickled: bytes) -> list[str]:
 
 
 def _pickle_of(raw: bytes) -> bytes:
-    """The pickle of a ``torch.save`` archive (its data.pkl), or ``raw`` itself (the legacy format)."""
+    """The pickle of a ``torch.save`` archive (its data.pkl, stored uncompressed), or ``raw`` itself (the legacy
+    format, or an archive :func:`archive_entries` refuses: nothing is inflated for a message)."""
     try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-            return archive.read(next(name for name in archive.namelist() if name.endswith("/data.pkl")))
-    except (zipfile.BadZipFile, StopIteration, KeyError):
+        entries = archive_entries(io.BytesIO(raw), "", "")
+    except (zipfile.BadZipFile, ValueError):  # RefusedFile is a ValueError too
         return raw
+    entry = next((entry for entry in entries.values() if entry.name.endswith("/data.pkl")), None)
+    return raw if entry is None else raw[entry.offset:entry.offset + entry.size]
 
 
 def _torch_refused_name(error: Exception, raw: bytes) -> str:
@@ -176,7 +246,10 @@ def _torch_refused_name(error: Exception, raw: bytes) -> str:
 
 def load_byte_item(raw: bytes, path: Path | str, key: str) -> Any:
     """A byte item (``torch.save`` of a non-tensor value) of ``path``, read with ``weights_only=True``: plain
-    Python values and tensors only. Raises :class:`RefusedPickle` naming ``key`` on anything else."""
+    Python values and tensors only. Raises :class:`RefusedPickle` naming ``key`` on anything else, and
+    :class:`RefusedFile` on an archive entry :func:`archive_entries` refuses."""
+    if raw.startswith(_ZIP_MAGIC):  # torch.load would inflate whatever its entries name
+        archive_entries(io.BytesIO(raw), path, key)
     try:
         with warnings.catch_warnings():  # a pickle protocol above torch.save's own: refused below if it is unsafe
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -220,8 +293,8 @@ def tensor_layout(pickled: bytes, archive: IO[bytes], path: Path | str,
                   key: str) -> tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]]:
     """dtype, storage offset, size and stride of the tensor a ``torch.save`` archive holds, from its data.pkl;
     for a layout the fast unpickler does not know (a tensor subclass, another format), ``torch.load`` of the
-    ``archive`` to the meta device with ``weights_only=True``. Raises :class:`RefusedPickle` naming ``key`` when
-    neither accepts it."""
+    ``archive`` to the meta device with ``weights_only=True`` (whose entries the caller has checked with
+    :func:`archive_entries`). Raises :class:`RefusedPickle` naming ``key`` when neither accepts it."""
     try:
         (_, dtype, *_), offset, size, stride = _TensorLayoutUnpickler(io.BytesIO(pickled)).load()
         return dtype, offset, size, stride

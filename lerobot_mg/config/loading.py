@@ -177,18 +177,51 @@ def fit_warmup(cfg: SchedulerConfig, steps: int, typed: bool) -> SchedulerConfig
 
 
 def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+    """The typed config as plain values, for train_config.json, the trackers and the model card. Not resolved:
+    the typed object's interpolations were resolved when it was built, so a string in it that reads like one
+    (``${oc.env:...}`` from a resumed file, see :func:`literal_values`) is data and is written as it is."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)  # type: ignore[return-value]
+
+
+# A run of backslashes right before "${": OmegaConf reads each pair as one backslash and an odd one as the escape.
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def literal_values(data: Any, source: Path | str, key: str = "") -> Any:
+    """``data`` (values read from a JSON file someone else may have written: a resumed train_config.json, a base
+    policy's config.json) made safe to put into an OmegaConf config: every string that OmegaConf would resolve as an
+    interpolation (``${oc.env:HF_TOKEN}`` would become the token, and an unset variable fail deep in OmegaConf) is
+    escaped so that it reads back as the same literal text. OmegaConf's missing-value marker ``???`` has no escape
+    and is refused: :class:`ConfigError` naming ``source`` and the dotted ``key``. Mappings and lists are walked;
+    other values are returned as they are."""
+    if isinstance(data, dict):
+        return {name: literal_values(value, source, f"{key}.{name}" if key else str(name))
+                for name, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [literal_values(value, source, f"{key}[{index}]") for index, value in enumerate(data)]
+    if isinstance(data, str):
+        if data == "???":
+            raise ConfigError(f"{source}: {key}='???' is OmegaConf's marker of a missing value, which no saved config "
+                              "holds. Fix: a config file written by lerobot_mg or LeRobot 0.6.1 (or give the field a "
+                              "value)")
+        return _INTERPOLATION_START.sub(lambda match: match.group(1) * 2 + "\\${", data)
+    return data
 
 
 def load_train_config_json(path: Path) -> DictConfig:
+    """A saved train_config.json as a config whose strings are the file's literal text (:func:`literal_values`):
+    nothing in a file from someone else is resolved against this machine's environment or this run's config."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"config_path={str(path)!r}: is not valid JSON ({error}), the save was interrupted. Fix: "
                           "config_path=<the train_config.json of an earlier checkpoint>") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_path={str(path)!r}: holds a JSON {type(data).__name__}, not a train config. Fix: "
+                          "config_path=<the train_config.json of an earlier checkpoint>")
     data.pop(DERIVED_KEY, None)
-    return OmegaConf.create(data)
+    return OmegaConf.create(literal_values(data, path))
 
 
 def override_keys(overrides: list[str]) -> list[str]:

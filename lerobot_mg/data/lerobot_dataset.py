@@ -28,6 +28,8 @@ import importlib
 import io
 import json
 import os
+import re
+import string
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +56,10 @@ from lerobot_mg.data.meta import (
     read_parquet,
 )
 from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.safe_paths import contained
+
+# The format spec a path template's field may carry: a zero-padded width of at most two digits (LeRobot's ":03d").
+_TEMPLATE_SPEC = re.compile(r"^(0?[0-9]{1,2})?d?$")
 
 if TYPE_CHECKING:
     from lerobot_mg.data.video import VideoFrameReader
@@ -178,8 +184,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
         row of that frame in the cache minus the dataset index (frames of one episode are consecutive rows)."""
         data_files = np.unique(np.stack([episode_column(episodes_table, "data/chunk_index"),
                                          episode_column(episodes_table, "data/file_index")], axis=1), axis=0).tolist()
-        data_template = self.info.get("data_path", DATA_PATH)
-        data_paths = [self.root / data_template.format(chunk_index=chunk, file_index=file) for chunk, file in data_files]
+        data_template = self._path_template("data_path", DATA_PATH, ("chunk_index", "file_index"))
+        data_paths = [contained(self.root, data_template.format(chunk_index=chunk, file_index=file),
+                                self.root / INFO_PATH, "data_path", REDOWNLOAD_ADVICE) for chunk, file in data_files]
         columns = self._check_data_files(data_paths)
         self._frames = FrameStore(self.root, self.meta.fingerprint, self.features, columns, data_paths,
                                   self.meta.lengths)
@@ -201,7 +208,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         # episode's start time inside that file.
         table_index = episode_column(episodes_table, "episode_index")
         position = np.searchsorted(table_index, in_row_order)
-        self._video_template = self.info.get("video_path") or VIDEO_PATH
+        self._video_template = self._path_template("video_path", VIDEO_PATH, ("video_key", "chunk_index", "file_index"))
         self._video_locations: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {
             key: tuple(episode_column(episodes_table, f"videos/{key}/{name}")[position]
                        for name in ("chunk_index", "file_index", "from_timestamp"))
@@ -215,12 +222,40 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._images = {key: values for key, values in self._frames.binary.items() if kinds[key] == "image"}
         self._strings = {key: values for key, values in self._frames.binary.items() if kinds[key] == "string"}
 
+    def _path_template(self, key: str, default: str, fields: tuple[str, ...]) -> str:
+        """info.json's ``key`` (``data_path``, ``video_path``; ``default`` when it has none): a template of file paths
+        whose only fields are ``fields``, the numbers with at most a two-digit zero-padded width
+        (``{chunk_index:03d}``), as LeRobot writes them. Anything else (an attribute or index lookup, a conversion, a width that makes a
+        gigabyte of text) is refused naming the file: info.json may come from someone else."""
+        template = self.info.get(key) or default
+        problem = None if isinstance(template, str) else "is not a string"
+        try:
+            parsed = list(string.Formatter().parse(template)) if problem is None else []
+        except ValueError as error:
+            problem = f"is not a path template ({error})"
+            parsed = []
+        for _, name, spec, conversion in parsed:
+            spec_ok = not spec if name == "video_key" else _TEMPLATE_SPEC.match(spec or "")  # a str: no width
+            if name is not None and (name not in fields or conversion or not spec_ok):
+                field = f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+                allowed = ", ".join("{" + known + "}" for known in fields)
+                problem = (f"has the field {field}; a path template holds only {allowed}, the numbers with at most a "
+                           "zero-padded width such as :03d")
+                break
+        if problem is not None:
+            raise ConfigError(f"{self.root / INFO_PATH}: {key}={template!r} {problem}. Fix: {REDOWNLOAD_ADVICE}.")
+        return template
+
+    def _video_file(self, key: str, episode: int) -> str:
+        """The mp4 of ``episode`` (position among the selected ones) for camera ``key``, relative to the root."""
+        chunk, file, _ = self._video_locations[key]
+        return self._video_template.format(video_key=key, chunk_index=int(chunk[episode]),
+                                           file_index=int(file[episode]))
+
     def _video_location(self, key: str, episode: int) -> tuple[Path, float]:
-        """(mp4 path, start time inside it) of ``episode`` (position among the selected ones) for camera ``key``."""
-        chunk, file, from_timestamp = self._video_locations[key]
-        path = self.root / self._video_template.format(video_key=key, chunk_index=int(chunk[episode]),
-                                                       file_index=int(file[episode]))
-        return path, float(from_timestamp[episode])
+        """(mp4 path, start time inside it) of ``episode`` (position among the selected ones) for camera ``key``:
+        a path :meth:`_check_videos` kept inside the root."""
+        return self.root / self._video_file(key, episode), float(self._video_locations[key][2][episode])
 
     def _check_data_files(self, paths: list[Path]) -> list[str]:
         """The data columns to read; raises unless every file exists with a column per non-video feature of
@@ -243,15 +278,17 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return [key for key in self.read_keys if key in expected]
 
     def _check_videos(self) -> None:
-        """Every video file read exists and holds the frames the episodes table places in it (from its header)."""
-        needed: dict[Path, tuple[float, int]] = {}  # path -> (end time in the file, the episode that ends there)
+        """Every video file read is a regular file inside the root, exists and holds the frames the episodes table
+        places in it (from its header)."""
+        needed: dict[str, tuple[float, int]] = {}  # file -> (end time in it, the episode that ends there)
         for key in self.video_keys:
             for position, (episode, length) in enumerate(zip(self._episode_order.tolist(), self._length.tolist())):
-                path, from_timestamp = self._video_location(key, position)
-                end_s = from_timestamp + length / self.fps
-                if end_s > needed.get(path, (-1.0, 0))[0]:
-                    needed[path] = (end_s, episode)
-        for path, (end_s, episode) in needed.items():
+                end_s = float(self._video_locations[key][2][position]) + length / self.fps
+                name = self._video_file(key, position)
+                if end_s > needed.get(name, (-1.0, 0))[0]:
+                    needed[name] = (end_s, episode)
+        for name, (end_s, episode) in needed.items():
+            path = contained(self.root, name, self.root / INFO_PATH, "video_path", REDOWNLOAD_ADVICE)
             if not path.is_file():
                 raise ConfigError(
                     f"{path}: does not exist, but the policy reads its camera. Fix: {REDOWNLOAD_ADVICE}, or leave the "

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.safe_paths import contained
 
 PIPELINE_NAMES = ("policy_preprocessor", "policy_postprocessor")
 # Step classes of the processor files lerobot_mg wrote before it wrote LeRobot's.
@@ -113,7 +114,7 @@ class PolicyProcessorPipeline:
                               "(<run>/checkpoints/<step or last>/pretrained_model)")
         manifest = json.loads(manifest_path.read_text())
         steps: list[ProcessorStep] = []
-        for entry in manifest["steps"]:
+        for index, entry in enumerate(manifest["steps"]):
             if entry.get("class") in _OLD_STEP_CLASSES:
                 raise ConfigError(
                     f"{manifest_path}: was written by a lerobot_mg older than its LeRobot 0.6.1 checkpoint format "
@@ -129,6 +130,9 @@ class PolicyProcessorPipeline:
                     f"has {sorted(STEP_CLASSES)}). Fix: a pretrained_model directory of an ACT or Diffusion policy "
                     "(LeRobot 0.6.1's or lerobot_mg's)"
                 )
-            state = load_file(str(directory / entry["state_file"])) if entry.get("state_file") else {}
+            state = {}
+            if entry.get("state_file"):  # kept inside the directory: the manifest may come from someone else
+                state = load_file(str(contained(directory, entry["state_file"], manifest_path,
+                                                f"steps[{index}].state_file")))
             steps.append(step_class.from_config(entry.get("config", {}), state))
         return cls(manifest["name"], steps)

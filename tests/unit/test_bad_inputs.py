@@ -19,13 +19,15 @@ import pickle
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from lerobot_mg.checkpoint.dcp_io import save_dcp
+from lerobot_mg.checkpoint.unpickle import read_dcp_metadata
 from lerobot_mg.config import register_configs
 from lerobot_mg.config.loading import (
     CONF_DIR,
@@ -102,6 +104,27 @@ def _planted_dcp_checkpoint(tmp: Path) -> None:
     (step_dir / "pretrained_model" / "pytorch_model_fsdp_0").mkdir()
     (step_dir / "pretrained_model" / "pytorch_model_fsdp_0" / ".metadata").write_bytes(
         pickle.dumps(_Payload(tmp / "payload_ran")))
+
+
+def _dcp_checkpoint_with_a_shard_path_out(tmp: Path) -> None:
+    """A complete-looking checkpoint.format=dcp checkpoint whose model .metadata places its item in a shard file
+    outside the checkpoint."""
+    _planted_dcp_checkpoint(tmp)
+    dcp_dir = tmp / "run" / "checkpoints" / "last" / "pretrained_model" / "pytorch_model_fsdp_0"
+    (dcp_dir / ".metadata").unlink()  # the planted pickle: a real checkpoint's instead
+    save_dcp({"w": torch.zeros(2)}, dcp_dir, no_dist=True)
+    metadata = read_dcp_metadata(dcp_dir)
+    metadata.storage_data = {index: replace(info, relative_path="../../elsewhere.distcp")
+                             for index, info in metadata.storage_data.items()}
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _train_config_with_a_missing_value(tmp: Path) -> None:
+    _saved_act_run(tmp)
+    path = tmp / "run" / "checkpoints" / "last" / "pretrained_model" / "train_config.json"
+    saved = json.loads(path.read_text())
+    saved["policy"]["license"] = "???"
+    path.write_text(json.dumps(saved))
 
 
 def _non_empty_output_dir(tmp: Path) -> None:
@@ -272,6 +295,18 @@ CATALOGUE = [
              "FSDP_SHARDING_STRATEGY=FULL_SHARD: accelerate configuration in the environment",
              "put these settings in parallelism.* / accelerator.* overrides",
              env={"FSDP_SHARDING_STRATEGY": "FULL_SHARD"}),
+    BadInput("resume_a_checkpoint_whose_shard_path_leaves_it",
+             ["resume=true", "config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json"],
+             "<tmp>/run/checkpoints/last/pretrained_model/pytorch_model_fsdp_0/.metadata: storage_data['w']."
+             "relative_path='../../elsewhere.distcp' climbs out of its folder with '..': a path read from a file must "
+             "name a regular file inside <tmp>/run/checkpoints/last/pretrained_model/pytorch_model_fsdp_0, so nothing "
+             "was read from it", "use a checkpoint from a source you trust", make=_dcp_checkpoint_with_a_shard_path_out),
+    BadInput("resume_a_train_config_with_a_missing_value",
+             ["resume=true", "config_path=<tmp>/run/checkpoints/last/pretrained_model/train_config.json"],
+             "<tmp>/run/checkpoints/last/pretrained_model/train_config.json: policy.license='???' is OmegaConf's marker "
+             "of a missing value, which no saved config holds",
+             "a config file written by lerobot_mg or LeRobot 0.6.1 (or give the field a value)",
+             make=_train_config_with_a_missing_value),
 ]
 
 
