@@ -20,8 +20,11 @@ Hydra only instantiates launcher classes defined under ``hydra_plugins.*``: lero
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from omegaconf import OmegaConf, open_dict
 from lerobot_mg.config.loading import override_keys, run_config
 from lerobot_mg.distributed.parallel_dims import resolve_dp_degrees
 from lerobot_mg.errors import ConfigError, config_error, report_user_error
+from lerobot_mg.launch.preemption import LAUNCH_COMMAND_ENV
 from lerobot_mg.launch.slurm_env import export_torch_distributed_env
 from lerobot_mg.launch.sweep import check_sweep_point
 from lerobot_mg.peft.base import apply_policy_path
@@ -78,6 +82,7 @@ class SlurmSweepLauncher(SlurmLauncher):
         base_keys = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base_keys else f"slurm_{k}": v for k, v in params.items()})
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.launch_command = list(sys.orig_argv)  # travels with the submission: a job stopped by SIGTERM prints it
         logger.info("SLURM sweep: %d job(s) in %s", len(job_overrides), sweep_dir)
         arguments = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -109,6 +114,8 @@ class SlurmSweepLauncher(SlurmLauncher):
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         """One SLURM task: runs in every rank of the job (and again after a requeue)."""
         export_torch_distributed_env()  # before anything touches torch.distributed
+        if getattr(self, "launch_command", None):
+            os.environ[LAUNCH_COMMAND_ENV] = json.dumps(self.launch_command)
         job_return = super().__call__(*args, **kwargs)
         if job_return.status == JobStatus.FAILED:
             raise job_return._return_value  # exit non-zero: SLURM marks the job FAILED; submitit keeps the traceback
