@@ -51,12 +51,14 @@ logger = logging.getLogger(__name__)
 # A job in one of these states may still write results; any other state (or a job SLURM no longer lists) has ended.
 ACTIVE_STATES = frozenset({
     "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-    "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED",
+    "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED",
 })
 POLL_INTERVAL_S = 1.0
 # After SLURM says a job ended, how long its result files may take to appear on this host (a shared filesystem can
 # lag): long for a job that completed (every task wrote one), short for one that failed (a dead task never will).
-RESULT_GRACE_S = {"COMPLETED": 60.0}
+# PREEMPTED is final (a cluster whose PreemptMode cancels); a requeued job shows REQUEUED/PENDING instead: the long
+# wait only guards against a state seen on its way to those.
+RESULT_GRACE_S = {"COMPLETED": 60.0, "PREEMPTED": 60.0}
 FAILED_RESULT_GRACE_S = 5.0
 
 
@@ -142,6 +144,16 @@ def _failed(overrides: list[str], error: BaseException) -> JobReturn:
     return job_return
 
 
+def _ended_without_results(job: Any, state: str) -> str:
+    if state.split()[0] == "PREEMPTED":
+        return (f"SLURM job {job.job_id} was preempted and not requeued (the partition's PreemptMode cancels "
+                "preempted jobs): its ranks saved a checkpoint on SIGTERM if the grace time allowed. Resume with the "
+                "command its log prints after 'resume with:' (this sweep's command with hydra.sweep.dir=<the sweep "
+                f"directory>): each point continues from its own checkpoints/last. Logs: {job.paths.folder}")
+    return (f"SLURM job {job.job_id} ended ({state}) without a result from every task: a rank died (killed, out of "
+            f"memory) or failed, and srun stopped the others. Logs: {job.paths.folder}")
+
+
 def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobReturn]:
     """Each job's JobReturn (its rank 0's), once it finished; a job that ended without a result from every task
     (a rank killed, out of memory) is a failed JobReturn naming its state and logs."""
@@ -164,9 +176,7 @@ def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobRe
                 continue
             ended_at.setdefault(i, time.monotonic())
             if time.monotonic() - ended_at[i] > RESULT_GRACE_S.get(state, FAILED_RESULT_GRACE_S):
-                returns[i] = _failed(overrides[i], RuntimeError(
-                    f"SLURM job {job.job_id} ended ({state}) without a result from every task: a rank died (killed, "
-                    f"out of memory) or failed, and srun stopped the others. Logs: {job.paths.folder}"))
+                returns[i] = _failed(overrides[i], RuntimeError(_ended_without_results(job, state)))
         if len(returns) < len(jobs):
             time.sleep(POLL_INTERVAL_S)
     return [returns[i] for i in range(len(jobs))]
