@@ -12,7 +12,8 @@ normal, blocking checkpoint there, and only then does the run leave:
   submitit this replaces submitit's own SIGTERM handler, which only logs the signal.
 - A second SIGINT or SIGTERM stops the process at once, without a checkpoint: the first one puts back the default
   action of both (SIG_DFL), so the second is handled by the kernel, not by Python, and ends a rank even while it
-  is blocked in a collective or a long write (where a Python handler would wait for that call to return).
+  is blocked in a collective or a long write (where a Python handler would wait for that call to return). A rank
+  already blocked when the first signal comes cannot run this handler before the call returns either.
 - submitit's preemption signal (USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` names another; SLURM sends it
   ``--signal=USR2@<s>`` before the time limit, and at a preemption with ``PreemptParameters=send_user_signal``)
   reaches every SLURM task, but only global rank 0 runs submitit's handler, which re-pickles the submission, calls
