@@ -74,6 +74,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+# SIGTERM (scancel, scontrol requeue, preemption) is followed by SIGKILL this many seconds later: the run saves in
+# between. Real clusters set it (and the preemption GraceTime) by policy; here it is generous for a loaded machine.
+KillWait=120
 # Requeued jobs become eligible by the clock, not by an event: look at the queue every second.
 SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres

@@ -13,7 +13,14 @@ checkpoints/last -> 005000
 checkpoints/best -> 004000   (checkpoint.keep_best: the best evaluated checkpoint)
 ```
 A step directory only ever appears complete: it is written as ``.tmp-005000`` and renamed once
-``training_step.json`` (written last) is on disk; ``last`` moves after that.
+``training_step.json`` (written last) is on disk; ``last`` moves after that. A step saved again (after a resume
+from an older checkpoint) keeps its earlier copy as ``.replaced-005000`` until the new one is in place; a start that
+finds that name puts the earlier copy back if the new one never arrived.
+
+``last`` and ``best`` are symlinks. A copy that turned them into real directories (``rsync -L``, an object-store
+sync, a Hub download) still resumes; the first save after that moves such a directory aside, never deleting it: to
+``<its step>`` when no checkpoint has that name (it is then one checkpoint among the others), else to
+``last.copy-<its step>`` (nothing deletes that one; remove it once you no longer need it).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ BEST_LINK = "best"
 PRETRAINED_MODEL_DIR = "pretrained_model"
 PRETRAINED_MODEL_EMA_DIR = "pretrained_model_ema"  # LeRobot's name for the EMA weights (ema.enable=true)
 TRAINING_STATE_DIR = "training_state"
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"  # a save being written: a start deletes it
+REPLACED_PREFIX = ".replaced-"  # the earlier copy of a step being saved again: a start puts it back or deletes it
+COPY_INFIX = ".copy-"  # a real directory that stood where the link `last` or `best` goes: <link>.copy-<step>
 
 TRAIN_CONFIG_JSON = "train_config.json"
 MODEL_SAFETENSORS = "model.safetensors"

@@ -138,14 +138,30 @@ class CheckpointManager:
 
     def _remove_partial_saves(self) -> None:
         """A save interrupted by a crash or a kill leaves ``.tmp-<step>``: never a checkpoint (resume only follows
-        ``last`` and complete step directories), so the next start deletes it and says so."""
-        for leftover in sorted(self.root.glob(f"{L.TMP_PREFIX}*")) if self.root.is_dir() else []:
+        ``last`` and complete step directories), so the next start deletes it and says so. Before that, a re-save
+        of a step that stopped between its two renames left the earlier copy as ``.replaced-<step>``: it is put back
+        (or deleted, when the new copy did arrive), so no step is ever lost."""
+        if not self.root.is_dir():
+            return
+        for earlier in sorted(self.root.glob(f"{L.REPLACED_PREFIX}*")):
+            self._restore_replaced(earlier)
+        for leftover in sorted(self.root.glob(f"{L.TMP_PREFIX}*")):
             logger.warning("Removing %s: a checkpoint save that never completed (the run stopped while writing it); "
                            "`last` names the last complete one.", leftover)
             if leftover.is_dir() and not leftover.is_symlink():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)
+
+    def _restore_replaced(self, earlier: Path) -> None:
+        final = self.root / earlier.name.removeprefix(L.REPLACED_PREFIX)
+        if final.exists() or final.is_symlink():  # the new copy arrived: the earlier one is what the save replaced
+            shutil.rmtree(earlier)
+            return
+        os.replace(earlier, final)
+        fsync_dir(self.root)
+        logger.warning("Restored %s: saving that step again stopped before the new copy was in place, so the earlier "
+                       "copy is kept.", final)
 
     # ------------------------------------------------------------------------------------------- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, items: SaveItems,
@@ -269,10 +285,17 @@ class CheckpointManager:
         replaced = None
         if final.exists():
             # Re-saving a step after resuming from an older checkpoint; `last` may name the old copy. Renames
-            # instead of a delete keep the old copy whole until the new one is in place.
-            replaced = self.root / f"{L.TMP_PREFIX}replaced-{name}"
+            # instead of a delete keep the old copy whole until the new one is in place; a crash between the two
+            # leaves it under a name the next start puts back (_remove_partial_saves), never under .tmp-.
+            replaced = self.root / f"{L.REPLACED_PREFIX}{name}"
             os.replace(final, replaced)
-        os.replace(tmp, final)
+            fsync_dir(self.root)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if replaced is not None:  # the earlier copy goes back at once; the new one is left as a partial save
+                os.replace(replaced, final)
+            raise
         self._point(L.LAST_LINK, name)
         best = self._best()
         if best:
@@ -287,12 +310,32 @@ class CheckpointManager:
         logger.info("Checkpoint %s: %.2f MiB written in %.2f s (%s).", final, num_bytes / 2**20, seconds, how)
 
     def _point(self, link: str, name: str) -> None:
-        """``link`` names step directory ``name``: a new symlink renamed over the old one (atomic)."""
+        """``link`` names step directory ``name``: a new symlink renamed over the old one (atomic). A real
+        directory in the link's place is moved aside first (:meth:`_move_aside`)."""
+        if (self.root / link).is_dir() and not (self.root / link).is_symlink():
+            self._move_aside(self.root / link)
         link_tmp = self.root / f"{L.TMP_PREFIX}{link}"
         if link_tmp.is_symlink() or link_tmp.exists():
             link_tmp.unlink()
         link_tmp.symlink_to(name)
         os.replace(link_tmp, self.root / link)
+
+    def _move_aside(self, copied: Path) -> None:
+        """``last`` or ``best`` as a real directory (a copy made with ``rsync -L``, an object-store sync, a Hub
+        download) is a whole checkpoint: it becomes ``<its step>`` when no checkpoint has that name, else
+        ``<link>.copy-<its step>``, which nothing deletes. Never deleted here."""
+        marker = copied / L.TRAINING_STATE_DIR / L.TRAINING_STEP
+        step = L.step_dir_name(int(read_json(marker)["step"])) if marker.is_file() else None
+        destination = self.root / step if step is not None else None
+        if destination is None or destination.exists() or destination.is_symlink():
+            stem, n = f"{copied.name}{L.COPY_INFIX}{step or 'incomplete'}", 1
+            destination = self.root / stem
+            while destination.exists() or destination.is_symlink():
+                n += 1
+                destination = self.root / f"{stem}-{n}"
+        os.replace(copied, destination)
+        logger.warning("%s was a directory, not a link (copied with its links followed): moved to %s, and `%s` is a "
+                       "link again.", copied, destination, copied.name)
 
     def _best(self) -> list[str]:
         """The names of the ``keep_best`` evaluated checkpoints with the best metric, best first (ties: the later

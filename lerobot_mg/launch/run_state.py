@@ -23,7 +23,6 @@ import functools
 import gc
 import logging
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 
 from lerobot_mg.checkpoint.manager import release_background_writers
-from lerobot_mg.launch.preemption import PreemptionWatch
+from lerobot_mg.launch.preemption import uninstall_watches
 
 RUN_LOG_FILENAME = "train.log"
 
@@ -61,15 +60,6 @@ def _detach_run_logs() -> None:
     for handler in [h for h in root.handlers if isinstance(h, RunLogHandler)]:
         root.removeHandler(handler)
         handler.close()
-
-
-def _restore_signal_handlers() -> None:
-    # The stop watch replaced handlers; put back the ones it replaced (submitit's, or the defaults).
-    for signum in signal.valid_signals():
-        handler = signal.getsignal(signum)
-        watch = getattr(handler, "__self__", None)
-        if isinstance(watch, PreemptionWatch):
-            watch.uninstall()
 
 
 def _finish_wandb() -> None:
@@ -108,7 +98,7 @@ def _free_run_objects(error: BaseException | None) -> None:
 def release_run_state(environ_before: dict[str, str], error: BaseException | None = None) -> None:
     """Tear down everything a run set up in this process (see the module docstring). Safe to call after a
     run that failed anywhere (``error``: what it raised), and when nothing was set up."""
-    _restore_signal_handlers()
+    uninstall_watches()  # the stop watch's handlers: put back the ones it replaced (submitit's, or the defaults)
     release_background_writers()  # first: the failed run's managers are only weakly held; a DCP write uses a group
     _free_run_objects(error)  # while the process groups they hold are alive
     _finish_wandb()

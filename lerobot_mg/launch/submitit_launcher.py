@@ -20,8 +20,11 @@ Hydra only instantiates launcher classes defined under ``hydra_plugins.*``: lero
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from omegaconf import OmegaConf, open_dict
 from lerobot_mg.config.loading import override_keys, run_config
 from lerobot_mg.distributed.parallel_dims import resolve_dp_degrees
 from lerobot_mg.errors import ConfigError, config_error, report_user_error
+from lerobot_mg.launch.preemption import LAUNCH_COMMAND_ENV
 from lerobot_mg.launch.slurm_env import export_torch_distributed_env
 from lerobot_mg.launch.sweep import check_sweep_point
 from lerobot_mg.peft.base import apply_policy_path
@@ -47,12 +51,14 @@ logger = logging.getLogger(__name__)
 # A job in one of these states may still write results; any other state (or a job SLURM no longer lists) has ended.
 ACTIVE_STATES = frozenset({
     "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-    "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED",
+    "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED",
 })
 POLL_INTERVAL_S = 1.0
 # After SLURM says a job ended, how long its result files may take to appear on this host (a shared filesystem can
 # lag): long for a job that completed (every task wrote one), short for one that failed (a dead task never will).
-RESULT_GRACE_S = {"COMPLETED": 60.0}
+# PREEMPTED is final (a cluster whose PreemptMode cancels); a requeued job shows REQUEUED/PENDING instead: the long
+# wait only guards against a state seen on its way to those.
+RESULT_GRACE_S = {"COMPLETED": 60.0, "PREEMPTED": 60.0}
 FAILED_RESULT_GRACE_S = 5.0
 
 
@@ -78,6 +84,7 @@ class SlurmSweepLauncher(SlurmLauncher):
         base_keys = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base_keys else f"slurm_{k}": v for k, v in params.items()})
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.launch_command = list(sys.orig_argv)  # travels with the submission: a job stopped by SIGTERM prints it
         logger.info("SLURM sweep: %d job(s) in %s", len(job_overrides), sweep_dir)
         arguments = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -109,6 +116,8 @@ class SlurmSweepLauncher(SlurmLauncher):
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         """One SLURM task: runs in every rank of the job (and again after a requeue)."""
         export_torch_distributed_env()  # before anything touches torch.distributed
+        if getattr(self, "launch_command", None):
+            os.environ[LAUNCH_COMMAND_ENV] = json.dumps(self.launch_command)
         job_return = super().__call__(*args, **kwargs)
         if job_return.status == JobStatus.FAILED:
             raise job_return._return_value  # exit non-zero: SLURM marks the job FAILED; submitit keeps the traceback
@@ -135,6 +144,16 @@ def _failed(overrides: list[str], error: BaseException) -> JobReturn:
     return job_return
 
 
+def _ended_without_results(job: Any, state: str) -> str:
+    if state.split()[0] == "PREEMPTED":
+        return (f"SLURM job {job.job_id} was preempted and not requeued (the partition's PreemptMode cancels "
+                "preempted jobs): its ranks saved a checkpoint on SIGTERM if the grace time allowed. Resume with the "
+                "command its log prints after 'resume with:' (this sweep's command with hydra.sweep.dir=<the sweep "
+                f"directory>): each point continues from its own checkpoints/last. Logs: {job.paths.folder}")
+    return (f"SLURM job {job.job_id} ended ({state}) without a result from every task: a rank died (killed, out of "
+            f"memory) or failed, and srun stopped the others. Logs: {job.paths.folder}")
+
+
 def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobReturn]:
     """Each job's JobReturn (its rank 0's), once it finished; a job that ended without a result from every task
     (a rank killed, out of memory) is a failed JobReturn naming its state and logs."""
@@ -157,9 +176,7 @@ def wait_for_jobs(jobs: Sequence[Any], overrides: list[list[str]]) -> list[JobRe
                 continue
             ended_at.setdefault(i, time.monotonic())
             if time.monotonic() - ended_at[i] > RESULT_GRACE_S.get(state, FAILED_RESULT_GRACE_S):
-                returns[i] = _failed(overrides[i], RuntimeError(
-                    f"SLURM job {job.job_id} ended ({state}) without a result from every task: a rank died (killed, "
-                    f"out of memory) or failed, and srun stopped the others. Logs: {job.paths.folder}"))
+                returns[i] = _failed(overrides[i], RuntimeError(_ended_without_results(job, state)))
         if len(returns) < len(jobs):
             time.sleep(POLL_INTERVAL_S)
     return [returns[i] for i in range(len(jobs))]

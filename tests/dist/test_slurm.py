@@ -1,11 +1,15 @@
 """SLURM for real, through the Hydra submitit launcher, on the local 2-node cluster of `make slurm-local`.
 
-One sweep of three identical HSDP jobs (2 nodes x 2 tasks, dp_replicate=2 x dp_shard=2, gloo), which only differ
+One sweep of four identical HSDP jobs (2 nodes x 2 tasks, dp_replicate=2 x dp_shard=2, gloo), which only differ
 in job_name, runs side by side and gives every test below its facts:
 
 - ``reference`` runs undisturbed: it trains, checkpoints, exits 0, and records its mesh;
-- ``preempted`` gets submitit's preemption signal (``scancel --signal=USR2``) mid-run: it must save, be requeued,
-  resume by itself and end on weights bit-identical to ``reference``;
+- ``preempted`` gets submitit's preemption signal and then SIGTERM (``scancel --signal=USR2``, then
+  ``--signal=TERM``: the time limit's pair under ``--signal=USR2@N``, or a preemption with
+  ``PreemptParameters=send_user_signal``): it must save, be requeued by submitit, resume by itself and end on
+  weights bit-identical to ``reference``;
+- ``requeued`` gets SIGTERM alone from ``scontrol requeue`` (what ``PreemptMode=REQUEUE`` does: SIGTERM, then SLURM
+  requeues the job itself): it must save, exit, come back, resume by itself and end bit-identical to ``reference``;
 - ``killed`` loses a rank to SIGKILL: the job must end non-zero without waiting for a collective timeout (the
   sweep's watchdog is shorter than it), leaving no process behind, while the other two points finish unharmed.
 
@@ -35,7 +39,7 @@ from tests.launch_utils import PYTHON, REPO, TINY_RUN, TRAIN_SCRIPT, clean_env, 
 
 pytestmark = pytest.mark.dist
 
-POINTS = ("reference", "preempted", "killed")
+POINTS = ("reference", "preempted", "requeued", "killed")
 TWO_NODES_TWO_TASKS = [
     "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2", "hydra.launcher.gpus_per_node=0",
 ]
@@ -116,8 +120,9 @@ def sweep(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     sweep_dir = tmp_path_factory.mktemp("slurm") / "sweep"
     log_path = sweep_dir.parent / "launcher.log"
     cmd = [PYTHON, str(TRAIN_SCRIPT), "-m", *SWEEP, f"hydra.sweep.dir={sweep_dir}"]
-    run_dirs = [sweep_dir / str(i) for i in range(len(POINTS))]
-    array_id, signalled_at, killed_at, dead_at = None, 0.0, 0.0, 0.0
+    run_dirs = {point: sweep_dir / str(i) for i, point in enumerate(POINTS)}
+    array_id, signalled_at, requeued_at, killed_at, dead_at = None, 0.0, 0.0, 0.0, 0.0
+    killed = POINTS.index("killed")
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + SWEEP_WATCHDOG_S
@@ -129,20 +134,26 @@ def sweep(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
             if array_id is None:
                 folders = list((sweep_dir / ".submitit").glob("*_0"))
                 array_id = folders[0].name.split("_")[0] if folders else None
-            elif not signalled_at and _metric_lines(run_dirs[1]) >= 2:  # its watch is installed, steps remain
-                subprocess.run(["scancel", "--signal=USR2", f"{array_id}_1"], check=True, timeout=30)
+            elif not signalled_at and _metric_lines(run_dirs["preempted"]) >= 2:  # its watch is in place
+                job = f"{array_id}_{POINTS.index('preempted')}"
+                subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+                subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
                 signalled_at = time.time()
-            elif not killed_at and _metric_lines(run_dirs[2]) >= 1:
-                victims = _task_pids(array_id, array_task=2, rank=1)
+            elif not requeued_at and _metric_lines(run_dirs["requeued"]) >= 2:
+                subprocess.run(["scontrol", "requeue", f"{array_id}_{POINTS.index('requeued')}"], check=True,
+                               timeout=30)
+                requeued_at = time.time()
+            elif not killed_at and _metric_lines(run_dirs["killed"]) >= 1:
+                victims = _task_pids(array_id, array_task=killed, rank=1)
                 assert len(victims) == 1, victims
                 os.kill(victims[0], signal.SIGKILL)
                 killed_at = time.time()
             elif killed_at and not dead_at:
-                state = slurm_states([f"{array_id}_2"]).get(f"{array_id}_2", "ENDED")
+                state = slurm_states([f"{array_id}_{killed}"]).get(f"{array_id}_{killed}", "ENDED")
                 if state not in ACTIVE_STATES:
                     dead_at = time.time()
             time.sleep(0.1)
-        assert array_id is not None and signalled_at and killed_at, log_path.read_text()[-6000:]
+        assert array_id is not None and signalled_at and requeued_at and killed_at, log_path.read_text()[-6000:]
         if not dead_at:
             dead_at = time.time()  # the launcher noticed first: an upper bound
         # The launcher returns once every task wrote its result; SLURM closes the jobs a moment later (polled for up
@@ -191,19 +202,19 @@ def test_each_sweep_job_has_its_own_run_directory(sweep: Sweep) -> None:
         assert (run_dir / "checkpoints/last/pretrained_model/model.safetensors").is_file()
 
 
-@pytest.mark.slurm
-def test_preempted_job_saves_requeues_and_resumes_bit_identical(sweep: Sweep) -> None:
-    run_dir, reference = sweep.run_dir("preempted"), sweep.run_dir("reference")
-    assert sweep.final_states[sweep.job_id("preempted")] == "COMPLETED", sweep.final_states
-    record = json.loads((run_dir / "preemption.json").read_text())
-    stop_step = record["loop_step"]
-    assert record["signal"] == "SIGUSR2" and 2 <= stop_step < STEPS
-    assert (run_dir / f"checkpoints/{stop_step:06d}/training_state/training_step.json").is_file()
-
+def _check_stopped_and_resumed(sweep: Sweep, point: str, signal_name: str, requeued_by_us: bool,
+                               cause: ResumeCause) -> int:
+    """The job of ``point`` stopped once on ``signal_name`` with a checkpoint, came back, resumed it by itself and
+    ended exactly where the reference did; returns the step it stopped at."""
+    run_dir, reference = sweep.run_dir(point), sweep.run_dir("reference")
+    assert sweep.final_states[sweep.job_id(point)] == "COMPLETED", sweep.final_states
     ledger = read_ledger(run_dir)
     assert [s.start.kind for s in ledger.segments] == ["start", "resume"]
-    resume = ledger.segments[1].start
-    assert resume.progress.step == stop_step and resume.facts.resume_cause == ResumeCause.PREEMPTION
+    stop, resume = ledger.segments[0].stop, ledger.segments[1].start
+    assert stop is not None and stop.signal == signal_name and stop.requeued == requeued_by_us
+    stop_step = stop.progress.step
+    assert 2 <= stop_step < STEPS and stop.checkpoint == str(run_dir / f"checkpoints/{stop_step:06d}")
+    assert resume.progress.step == stop_step and resume.facts.resume_cause == cause
     assert resume.facts.resumed_from == str(run_dir / f"checkpoints/{stop_step:06d}")
     # Resumed by itself, in the same directory, and it ends at the same total loop steps as the reference...
     progress = json.loads((run_dir / "checkpoints/last/training_state/training_step.json").read_text())["progress"]
@@ -215,9 +226,33 @@ def test_preempted_job_saves_requeues_and_resumes_bit_identical(sweep: Sweep) ->
     weights, expected = last_weights(run_dir), last_weights(reference)
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
     # The run's log is written once, by the main process, across both attempts.
-    assert (run_dir / "train.log").read_text().count("SIGUSR2 received") == 1
-    print(f"\nrequeue timeline: signal -> checkpoint at step {stop_step} {record['time'] - sweep.signalled_at:.1f} s, "
-          f"-> resumed {resume.time - sweep.signalled_at:.1f} s")
+    assert (run_dir / "train.log").read_text().count(f"{signal_name} received") == 1
+    return stop_step
+
+
+@pytest.mark.slurm
+def test_preemption_signal_then_sigterm_saves_requeues_and_resumes_bit_identical(sweep: Sweep) -> None:
+    """USR2 then TERM: whichever of the two the ranks had by their decision, the preemption signal wins and
+    submitit requeues the job."""
+    stop_step = _check_stopped_and_resumed(sweep, "preempted", "SIGUSR2", True, ResumeCause.PREEMPTION)
+    record = json.loads((sweep.run_dir("preempted") / "preemption.json").read_text())
+    assert record["signal"] == "SIGUSR2" and record["loop_step"] == stop_step
+    print(f"\nrequeue timeline: signal -> checkpoint at step {stop_step} {record['time'] - sweep.signalled_at:.1f} s")
+
+
+@pytest.mark.slurm
+def test_sigterm_alone_saves_exits_and_slurm_requeue_resumes_bit_identical(sweep: Sweep) -> None:
+    """scontrol requeue (PreemptMode=REQUEUE's path): SIGTERM, a checkpoint, exit 143; SLURM brings the job back
+    and it resumes by itself. The printed resume command is the sweep's own command line, not submitit's."""
+    stop_step = _check_stopped_and_resumed(sweep, "requeued", "SIGTERM", False, ResumeCause.REQUEUE)
+    run_dir = sweep.run_dir("requeued")
+    assert not (run_dir / "preemption.json").exists()  # submitit did not requeue it: SLURM did
+    outputs = "".join(p.read_text() for p in (sweep.sweep_dir / ".submitit").rglob(f"{sweep.job_id('requeued')}_0_log.out"))
+    stopped = next(line for line in outputs.splitlines() if line.startswith(f"stopped at loop step {stop_step}"))
+    assert stopped.startswith(f"stopped at loop step {stop_step} on SIGTERM: checkpoint {run_dir}/checkpoints/"), stopped
+    command = stopped.split("; resume with: ", 1)[1].split()
+    assert command[1:3] == [str(TRAIN_SCRIPT), "-m"] and command[-1] == f"hydra.sweep.dir={sweep.sweep_dir}", stopped
+    assert command.count(f"hydra.sweep.dir={sweep.sweep_dir}") == 1
 
 
 @pytest.mark.slurm
