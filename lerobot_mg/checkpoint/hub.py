@@ -63,13 +63,13 @@ class RepoSettings:
         return replace(self, **{name: value for name, value in given.items() if value is not None})
 
     def card(self, existing: str | None, repo_id: str) -> str:
-        """The model card: ``existing`` (the README.md a training run wrote) with its metadata completed, or a short
-        card; license and tags as LeRobot's ``generate_model_card`` sets them."""
-        if existing is None or not existing.startswith("---"):
+        """The model card: ``existing`` (the README.md a training run wrote) with its metadata completed (added to a
+        card without any), or a short card; license and tags as LeRobot's ``generate_model_card`` sets them."""
+        if existing is None:
             kind = f" ({self.policy_type})" if self.policy_type else ""
-            existing = (f"---\nlibrary_name: lerobot\n---\n\n# {repo_id}\n\nA policy{kind} trained with lerobot_mg, in "
-                        "LeRobot's `pretrained_model/` layout: config.json, the weights and the processors.\n")
-        card = ModelCard(existing)
+            existing = (f"\n# {repo_id}\n\nA policy{kind} trained with lerobot_mg, in LeRobot's `pretrained_model/` "
+                        "layout: config.json, the weights and the processors.\n")
+        card = ModelCard(existing if existing.startswith("---") else f"---\nlibrary_name: lerobot\n---\n{existing}")
         card.data.library_name = card.data.library_name or "lerobot"
         card.data.pipeline_tag = card.data.pipeline_tag or "robotics"
         card.data.license = self.license or card.data.license or DEFAULT_LICENSE
