@@ -173,8 +173,10 @@ def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: st
     )
     model = get_peft_model(policy, config, adapter_name=ADAPTER_NAME)
     # get_peft_model takes the name from the model (a transformers attribute our policies lack).
+    # In memory the base is where it is on this machine (PEFT looks there for its config.json); the files name it
+    # as BaseRecord says (see write_configs).
     record = BaseRecord.of(base_name or base_path, base_path)
-    config.base_model_name_or_path, config.revision = record.name, record.revision
+    config.base_model_name_or_path = str(record.directory)
     setattr(model, _BASE_RECORD, record)
     _mark_peft(policy.config, record.name)
     return model
@@ -252,6 +254,7 @@ class AdapterWeights:
         auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
         record: BaseRecord | None = getattr(self.model, _BASE_RECORD, None)
         if record is not None:
+            config.base_model_name_or_path, config.revision = record.name, record.revision
             auto_mapping[BASE_SHA256_KEY] = record.sha256()
         config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 

@@ -17,14 +17,23 @@ from omegaconf import OmegaConf
 
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.literal import literal_strings
+from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import BASE_SHA256_KEY, apply_policy_path, weights_sha256
-from lerobot_mg.peft.lora import load_policy
+from lerobot_mg.peft.build import build_policy
+from lerobot_mg.peft.lora import AdapterWeights, load_policy
 from lerobot_mg.policies.saved_config import read_saved_policy
 from tests.hub_server import FakeHub
 from tests.launch_utils import PUSHT_SLICE, TINY_RUN, run_train
 from tests.unit.test_config import _compose
-from tests.unit.test_lerobot_format import FINETUNE, lerobot_base, write_fixture_dataset
+from tests.unit.test_lerobot_format import (
+    FINETUNE,
+    HUB_COMMIT,
+    HUB_REPO_ID,
+    _hub_cache,
+    lerobot_base,
+    write_fixture_dataset,
+)
 
 SECRET = "s3cr3t-from-the-environment"
 
@@ -112,3 +121,23 @@ def test_a_lora_run_on_a_base_with_interpolations_publishes_nothing_of_the_envir
     with pytest.raises(ConfigError, match=r"the adapter was trained on the base base/pretrained_model whose weights "
                                           r"have sha256 \w{12}\.\.\., and .* holds other weights"):
         load_policy(pretrained)
+
+
+def test_an_adapter_on_a_hub_base_names_the_repo_id_and_its_commit(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """policy.path=<user>/<name>: the adapter records the repo id as typed and the snapshot's commit (PEFT's
+    ``revision``), never the cache path."""
+    base = lerobot_base(tmp_path / "pretrained_model")
+    snapshot = _hub_cache(tmp_path / "hf", base)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    overrides = [*TINY_RUN, f"dataset.root={PUSHT_SLICE}", f"policy.path={HUB_REPO_ID}", "peft=lora", "peft.r=4"]
+    cfg = to_train_config(apply_policy_path(_compose(overrides), overrides))
+    features = json.loads((write_fixture_dataset(tmp_path / "dataset") / "meta" / "info.json").read_text())["features"]
+    model = build_policy(cfg, features)
+    adapter = AdapterWeights.of(model)
+    adapter.write(tmp_path / "adapter", adapter.to_adapter(model.state_dict()))
+    saved = json.loads((tmp_path / "adapter" / L.ADAPTER_CONFIG_JSON).read_text())
+    assert (saved["base_model_name_or_path"], saved["revision"]) == (HUB_REPO_ID, HUB_COMMIT)
+    assert saved["auto_mapping"][BASE_SHA256_KEY] == weights_sha256(snapshot.resolve())
+    assert str(tmp_path) not in (tmp_path / "adapter" / L.ADAPTER_CONFIG_JSON).read_text()
