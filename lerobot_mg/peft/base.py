@@ -188,8 +188,14 @@ def _locate_base(recorded: str, revision: str | None, digest: str | None, source
     try:
         return Path(resolve_policy_path(recorded, revision)).resolve()
     except ConfigError as error:
-        raise ConfigError(f"{source}: names the base {recorded}, which is no directory under the current directory "
-                          f"{here}; as a Hub repo id: {error}") from error
+        cause = error.__cause__ or error
+        reason = " ".join(f"{type(cause).__name__}: {cause}".split())[:200]
+        at = f" --revision {revision}" if revision else ""
+        raise ConfigError(
+            f"{source}: names the base {recorded}, which is no directory under the current directory {here} (where "
+            f"PEFT and LeRobot read a relative base), and as a Hub repo id it could not be had ({reason}). Fix: start "
+            f"from the folder the adapter was trained in, or fetch the base while online: hf download {recorded}{at}"
+        ) from error
 
 
 def stored_dtype(path: str, chain: tuple[Path, ...] = ()) -> torch.dtype:
