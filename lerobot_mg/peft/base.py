@@ -106,15 +106,21 @@ class BaseRecord:
         return weights_sha256(self.directory)
 
 
-@functools.lru_cache(maxsize=4)
 def weights_sha256(directory: Path) -> str:
     """The sha256 of the weights file a base directory holds (model.safetensors, or a PEFT base's
-    adapter_model.safetensors): the digest an adapter records of its base and checks when it is loaded."""
-    weights = directory / L.MODEL_SAFETENSORS
+    adapter_model.safetensors): the digest an adapter records of its base and checks when it is loaded. Read once
+    per file version (its size and modification time) in a process."""
+    weights = Path(directory) / L.MODEL_SAFETENSORS
     if not weights.is_file():
-        weights = directory / L.ADAPTER_SAFETENSORS
+        weights = Path(directory) / L.ADAPTER_SAFETENSORS
+    stat = weights.stat()
+    return _file_sha256(str(weights), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
-    with open(weights, "rb") as file:
+    with open(path, "rb") as file:
         while chunk := file.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
@@ -150,9 +156,15 @@ def adapter_base_path(adapter_dir: Path, chain: tuple[Path, ...] = ()) -> str:
     adapters loaded on the way here) is refused."""
     adapter_dir = Path(adapter_dir).resolve()
     source = adapter_dir / L.ADAPTER_CONFIG_JSON
-    saved = json.loads(source.read_text())
+    try:
+        saved = json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}: is not valid JSON ({error}). Fix: the adapter_config.json PEFT wrote") from error
+    saved = saved if isinstance(saved, dict) else {}
     recorded, revision = saved.get("base_model_name_or_path"), saved.get("revision")
-    digest = (saved.get("auto_mapping") or {}).get(BASE_SHA256_KEY)
+    mapping = saved.get("auto_mapping")
+    digest = mapping.get(BASE_SHA256_KEY) if isinstance(mapping, dict) else None
+    revision = revision if isinstance(revision, str) else None
     if not isinstance(recorded, str) or not recorded:
         raise ConfigError(f"{source}: records no base_model_name_or_path. Fix: set it to the base's pretrained_model "
                           "directory, relative to the current directory, or to its Hub repo id")
