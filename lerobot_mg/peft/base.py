@@ -94,9 +94,10 @@ class BaseRecord:
 
     @classmethod
     def of(cls, typed: str, resolved: str) -> BaseRecord:
-        """The record of ``policy.path`` as typed and as :func:`resolve_policy_path` resolved it."""
+        """The record of ``policy.path`` as typed and as :func:`resolve_policy_path` resolved it (on a resume: the
+        ``policy.pretrained_path`` the first start recorded, and the directory it resolved)."""
         directory = Path(resolved).resolve()
-        if resolved != typed:  # a Hub repo id, resolved to its cached snapshot: .../snapshots/<commit>
+        if resolved != typed:  # a Hub repo id, resolved to its cached snapshot .../snapshots/<commit>; or a record
             return cls(typed, directory.name if directory.parent.name == "snapshots" else None, directory)
         here = Path.cwd().resolve()
         return cls(str(directory.relative_to(here)) if directory.is_relative_to(here) else str(directory), None,
