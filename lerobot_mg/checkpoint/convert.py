@@ -16,7 +16,9 @@ they are merged the same way, into ``pretrained_model_ema/model.safetensors``.
 ``delete_dcp=true`` removes the shards only after the merged file has been re-read and compared tensor by
 tensor. ``push_to_hub=<user>/<repo>`` uploads the safetensors, json and md files of ``pretrained_model/`` (the model
 card a training run wrote included); on a checkpoint without shards it only uploads, which is how the checkpoint of
-a run whose own upload failed is published later.
+a run whose own upload failed is published later. The repo is private, and the card carries the license and tags,
+as the checkpoint's config.json records them (``policy.private``, ``policy.license``, ``policy.tags`` of its run);
+``private=``, ``license=`` and ``tags=`` set them here instead.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lerobot_mg import cli
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint import unpickle
 from lerobot_mg.checkpoint.dcp_io import load_dcp
-from lerobot_mg.checkpoint.hub import check_can_push, push_pretrained
+from lerobot_mg.checkpoint.hub import RepoSettings, check_can_push, push_pretrained
+from lerobot_mg.checkpoint.unpickle import read_dcp_metadata
 from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -52,14 +54,13 @@ _PROGRESS_MIN_BYTES = 512 * 2**20
 # --- reading DCP offline ----------------------------------------------------------------------------------
 
 
-def read_dcp_metadata(dcp_dir: Path) -> Metadata:
-    """``dcp_dir/.metadata`` through the allow-list (a pickle naming anything else is refused, unrun)."""
-    dcp_dir = Path(dcp_dir)
-    if not (dcp_dir / ".metadata").is_file():
+def _check_saved_completely(dcp_dir: Path) -> None:
+    """A shard directory without ``.metadata`` (written last) is a save that never finished: the user's choice of
+    directory, not a fault. Its metadata is read by :func:`lerobot_mg.checkpoint.unpickle.read_dcp_metadata`."""
+    if not (Path(dcp_dir) / ".metadata").is_file():
         raise ConfigError(f"{dcp_dir}: is not a DCP checkpoint directory (it has no .metadata file, which a save "
                           "writes last). Fix: checkpoint_dir=<a step directory saved completely, e.g. an earlier "
                           "step>")
-    return unpickle.read_dcp_metadata(dcp_dir)
 
 
 def dcp_tensor_specs(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -94,6 +95,7 @@ def read_dcp_tensors(dcp_dir: Path, show_progress: bool | None = None) -> dict[s
     checkpoints of at least 512 MiB.
     """
     dcp_dir = Path(dcp_dir)
+    _check_saved_completely(dcp_dir)
     metadata = read_dcp_metadata(dcp_dir)
     specs = dcp_tensor_specs(metadata)
     total_bytes = sum(_tensor_nbytes(spec) for spec in specs.values())
@@ -181,6 +183,7 @@ def _merge(pretrained: Path, delete_dcp: bool, show_progress: bool | None) -> Pa
             "checkpoint.format=safetensors, or the shards were already merged and deleted). Fix: none needed, its "
             f"{merged_file_name(pretrained)} is already loadable (policy.path={str(pretrained)!r})"
         )
+    _check_saved_completely(dcp_dir)
     metadata = read_dcp_metadata(dcp_dir)
     non_tensor_keys = sorted(set(metadata.state_dict_metadata) - set(dcp_tensor_specs(metadata)))
     if non_tensor_keys:
@@ -211,6 +214,13 @@ class ConvertArgs:
                                                    "its pretrained_model/"})
     delete_dcp: bool = field(default=False, metadata={"help": "remove the shards once the merged file is verified"})
     push_to_hub: str | None = field(default=None, metadata={"help": "<user>/<repo> to upload pretrained_model/ to"})
+    # The repo's settings, as LeRobot's policy.private / policy.license / policy.tags: by default the checkpoint's own.
+    private: bool | None = field(default=None, metadata={
+        "help": "with push_to_hub: create the repo private (null: as the checkpoint's config.json says)"})
+    license: str | None = field(default=None, metadata={
+        "help": "with push_to_hub: the model card's license (null: the checkpoint's, else apache-2.0)"})
+    tags: list[str] | None = field(default=None, metadata={
+        "help": "with push_to_hub: the model card's tags (null: the checkpoint's), beside robotics, lerobot, <type>"})
 
     def __post_init__(self) -> None:
         if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
@@ -234,7 +244,9 @@ def run(args: ConvertArgs) -> None:
         if (ema := ema_file(target)) is not None:
             print(f"wrote {ema}", flush=True)
     if args.push_to_hub is not None:
-        url = push_pretrained(target.parent, args.push_to_hub, publish_message(target.parent), key="push_to_hub")
+        settings = RepoSettings.of_pretrained(target.parent).overridden(args.private, args.license, args.tags)
+        url = push_pretrained(target.parent, args.push_to_hub, publish_message(target.parent), key="push_to_hub",
+                              settings=settings)
         print(f"pushed {target.parent} to {url}", flush=True)
 
 

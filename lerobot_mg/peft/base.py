@@ -12,7 +12,10 @@ process group exists, with the command that converts it.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.config.literal import literal_strings
 from lerobot_mg.config.loading import override_keys
 from lerobot_mg.config.policy import is_repo_id
 from lerobot_mg.config.schema import policy_config_class
@@ -32,6 +36,10 @@ from lerobot_mg.policies.saved_config import build_config, read_saved_policy
 # Fields of a base's config that say where the base itself came from or went, not how it is built: the
 # fine-tuning run sets its own (its repo, whether it trains an adapter, the base it starts from).
 _RUN_OWN_FIELDS = ("path", "repo_id", "push_to_hub", "use_peft", "pretrained_path", "pretrained_revision")
+# The key of adapter_config.json's auto_mapping (PEFT's record of the base model) that holds the sha256 of the base's
+# weights file; PEFT and LeRobot ignore it.
+BASE_SHA256_KEY = "base_model_sha256"
+_HASH_CHUNK_BYTES = 16 * 2**20
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -70,33 +78,145 @@ def base_features(path: str) -> tuple[dict[str, FeatureSpec], dict[str, FeatureS
     return saved.input_features, saved.output_features
 
 
-def adapter_base_path(adapter_dir: Path) -> str:
-    """The base directory of the adapter in ``adapter_dir``: adapter_config.json's ``base_model_name_or_path``, a
-    directory (ours are absolute), else a relative one as LeRobot writes it (the ``--policy.path`` typed, relative to
-    the directory training ran in): looked up from the current directory (where PEFT looks), then from each folder
-    above the adapter, else a Hub model repo id resolved through huggingface_hub's cache."""
-    recorded = json.loads((Path(adapter_dir) / L.ADAPTER_CONFIG_JSON).read_text()).get("base_model_name_or_path")
-    if not recorded:
-        raise ConfigError(f"{Path(adapter_dir) / L.ADAPTER_CONFIG_JSON}: records no base_model_name_or_path. Fix: "
-                          "set it to the base's pretrained_model directory")
-    candidates = [Path(recorded), *(folder / recorded for folder in Path(adapter_dir).resolve().parents)]
-    found = next((path for path in candidates if path.is_dir()), None)
-    if found is not None:
-        return str(found.resolve())
-    if is_repo_id(recorded):
-        return resolve_policy_path(recorded)
-    raise ConfigError(
-        f"{Path(adapter_dir) / L.ADAPTER_CONFIG_JSON} names the base model {recorded}, which is not a directory "
-        f"here, nor under any folder above the adapter. Fix: restore the base checkpoint there, or set "
-        "base_model_name_or_path to where it now lives"
-    )
+@dataclass(frozen=True)
+class BaseRecord:
+    """How an adapter checkpoint names the base it was trained on, so that others can load it.
+
+    ``name`` is what adapter_config.json's ``base_model_name_or_path`` and config.json's ``pretrained_path`` say: the
+    Hub repo id as typed for a Hub base (with its commit in ``revision``, PEFT's field for the base's revision), else
+    the base's path relative to the current directory (where PEFT and LeRobot look for it), else, for a base outside
+    the current directory, its absolute path (loaded back only with the digest, see :func:`adapter_base_path`).
+    ``directory`` is where the base is on this machine: never written."""
+
+    name: str
+    revision: str | None
+    directory: Path
+
+    @classmethod
+    def of(cls, typed: str, resolved: str) -> BaseRecord:
+        """The record of ``policy.path`` as typed and as :func:`resolve_policy_path` resolved it (on a resume: the
+        ``policy.pretrained_path`` the first start recorded, and the directory it resolved)."""
+        directory = Path(resolved).resolve()
+        if resolved != typed:  # a Hub repo id, resolved to its cached snapshot .../snapshots/<commit>; or a record
+            return cls(typed, directory.name if directory.parent.name == "snapshots" else None, directory)
+        here = Path.cwd().resolve()
+        return cls(str(directory.relative_to(here)) if directory.is_relative_to(here) else str(directory), None,
+                   directory)
+
+    def sha256(self) -> str:
+        return weights_sha256(self.directory)
 
 
-def stored_dtype(path: str) -> torch.dtype:
-    """The floating dtype the base's weights are stored in (read from the file header, no tensor loaded)."""
+def weights_sha256(directory: Path) -> str:
+    """The sha256 of the weights file a base directory holds (model.safetensors, or a PEFT base's
+    adapter_model.safetensors): the digest an adapter records of its base and checks when it is loaded. Read once
+    per file version (its size and modification time) in a process."""
+    weights = Path(directory) / L.MODEL_SAFETENSORS
+    if not weights.is_file():
+        weights = Path(directory) / L.ADAPTER_SAFETENSORS
+    stat = weights.stat()
+    return _file_sha256(str(weights), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve_inside(root: Path, relative: str, source: Path, key: str) -> Path:
+    """``relative`` (read from ``source`` under ``key``) resolved inside ``root``: an absolute path, a ``..`` or a
+    symbolic link that leads out of ``root`` is refused, and so is anything but a directory."""
+    problem = None
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+        problem = "leads out of it (an absolute path or '..')"
+    else:
+        path = (root / relative).resolve()
+        if not path.is_relative_to(root.resolve()):
+            problem = f"leads out of it through a symbolic link (to {path})"
+        elif not path.is_dir():
+            problem = "is no directory there"
+    if problem is not None:
+        raise ConfigError(f"{source}: {key}={relative!r} is read inside {root}, and {problem}. Fix: set {key} to the "
+                          f"base's path relative to {root}, or to its Hub repo id")
+    return path
+
+
+def adapter_base_path(adapter_dir: Path, chain: tuple[Path, ...] = ()) -> str:
+    """The base directory of the adapter in ``adapter_dir``, from its adapter_config.json.
+
+    ``base_model_name_or_path`` is looked up where PEFT looks: a relative path in the current directory (a LeRobot
+    adapter records ``--policy.path`` as typed, relative to the folder training ran in), inside it and nowhere else;
+    else a Hub repo id at the recorded ``revision``, through huggingface_hub's cache. An absolute path (an adapter
+    trained on a base outside its current directory) is read only when the adapter records the digest of its base's
+    weights. Where that digest is recorded (``auto_mapping.base_model_sha256``, as lerobot_mg writes it), the base
+    found must have it: another base is refused by name. A base that leads back to the adapter (``chain``: the
+    adapters loaded on the way here) is refused."""
+    adapter_dir = Path(adapter_dir).resolve()
+    source = adapter_dir / L.ADAPTER_CONFIG_JSON
+    try:
+        saved = json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}: is not valid JSON ({error}). Fix: the adapter_config.json PEFT wrote") from error
+    saved = saved if isinstance(saved, dict) else {}
+    recorded, revision = saved.get("base_model_name_or_path"), saved.get("revision")
+    mapping = saved.get("auto_mapping")
+    digest = mapping.get(BASE_SHA256_KEY) if isinstance(mapping, dict) else None
+    revision = revision if isinstance(revision, str) else None
+    if not isinstance(recorded, str) or not recorded:
+        raise ConfigError(f"{source}: records no base_model_name_or_path. Fix: set it to the base's pretrained_model "
+                          "directory, relative to the current directory, or to its Hub repo id")
+    base = _locate_base(recorded, revision, digest, source)
+    if base == adapter_dir or base in chain:
+        raise ConfigError(f"{source}: base_model_name_or_path={recorded!r} leads back to the adapter "
+                          f"{'itself' if base == adapter_dir else base}, which would load without end. Fix: set it "
+                          "to the base the adapter was trained on")
+    if digest is not None and weights_sha256(base) != digest:
+        raise ConfigError(
+            f"{source}: the adapter was trained on the base {recorded} whose weights have sha256 {digest[:12]}..., "
+            f"and {base} holds other weights (sha256 {weights_sha256(base)[:12]}...). Fix: the base it was trained on"
+            f"{f' (revision {revision})' if revision else ''}, at {recorded}"
+        )
+    return str(base)
+
+
+def _locate_base(recorded: str, revision: str | None, digest: str | None, source: Path) -> Path:
+    if Path(recorded).is_absolute():
+        if digest is None:
+            raise ConfigError(
+                f"{source}: base_model_name_or_path={recorded!r} is an absolute path, read only from an adapter that "
+                f"records the digest of its base's weights ({BASE_SHA256_KEY}). Fix: set it to the base's path "
+                "relative to the current directory, or to its Hub repo id"
+            )
+        if not Path(recorded).is_dir():
+            raise ConfigError(f"{source}: names the base {recorded}, which is not a directory here. Fix: restore the "
+                              "base there, or set base_model_name_or_path to where it now lives")
+        return Path(recorded).resolve()
+    here = Path.cwd()
+    if (here / recorded).exists() or not is_repo_id(recorded):  # a folder first, as PEFT and policy.path look
+        return resolve_inside(here, recorded, source, "base_model_name_or_path")
+    try:
+        return Path(resolve_policy_path(recorded, revision)).resolve()
+    except ConfigError as error:
+        cause = error.__cause__ or error
+        reason = " ".join(f"{type(cause).__name__}: {cause}".split())[:200]
+        at = f" --revision {revision}" if revision else ""
+        raise ConfigError(
+            f"{source}: names the base {recorded}, which is no directory under the current directory {here} (where "
+            f"PEFT and LeRobot read a relative base), and as a Hub repo id it could not be had ({reason}). Fix: start "
+            f"from the folder the adapter was trained in, or fetch the base while online: hf download {recorded}{at}"
+        ) from error
+
+
+def stored_dtype(path: str, chain: tuple[Path, ...] = ()) -> torch.dtype:
+    """The floating dtype the base's weights are stored in (read from the file header, no tensor loaded); ``chain``:
+    the adapters on the way here."""
     directory = Path(path)
     if not (directory / L.MODEL_SAFETENSORS).is_file():  # an adapter: the precision of its own base
-        return stored_dtype(adapter_base_path(directory))
+        return stored_dtype(adapter_base_path(directory, chain), (*chain, directory.resolve()))
     with safe_open(str(directory / L.MODEL_SAFETENSORS), framework="pt") as weights:
         stored = {weights.get_slice(key).get_dtype() for key in weights.keys()}  # noqa: SIM118 (not a dict)
     floating = [_SAFETENSORS_DTYPES[name] for name in stored if name in _SAFETENSORS_DTYPES]
@@ -120,7 +240,8 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     """``policy.path`` set: the policy group becomes the base's saved config (config.json, a LeRobot one too), with
     this command line's ``policy.*`` overrides on top (e.g. ``policy.dropout=0``), as LeRobot's ``--policy.path``
     does. The path is made absolute (``last`` resolved to its step; a Hub repo id to its cached snapshot), so a resume
-    from another directory finds the same base; ``policy.pretrained_path`` records the base as typed."""
+    from another directory finds the same base; ``policy.pretrained_path`` records the base as others can find it
+    (:class:`BaseRecord`: the Hub repo id as typed, or a path relative to the current directory)."""
     typed_path = str(composed.policy.path)
     revision = OmegaConf.select(composed, "policy.pretrained_revision")
     resolved = resolve_policy_path(typed_path, revision)
@@ -137,12 +258,14 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
                  validate=False)
     if saved.type != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(saved.type))
-    base = {f"policy.{name}": value for name, value in saved.values.items() if name not in _RUN_OWN_FIELDS}
+    # The base's values as literal text: a "${...}" in a downloaded config.json is never resolved (see literal_strings).
+    base = {f"policy.{name}": literal_strings(value) for name, value in saved.values.items()
+            if name not in _RUN_OWN_FIELDS}
     if saved.values.get("observation_keys") is None:  # a LeRobot base (or ours on every input): what it reads
         base["policy.observation_keys"] = list(saved.input_features)
     run_own = {
         "policy.path": path,
-        "policy.pretrained_path": typed_path if resolved != typed_path else path,
+        "policy.pretrained_path": BaseRecord.of(typed_path, resolved).name,
         "policy.use_peft": OmegaConf.select(composed, "peft.method_type") is not None,
     }
     for key, value in {**base, **run_own, **kept}.items():

@@ -28,7 +28,7 @@ def build_policy(cfg: TrainConfig, dataset_features: dict[str, dict[str, Any]], 
         return make_policy(cfg.policy, dataset_features)
     check_dataset_matches(cfg.policy.path, dataset_features)
     policy = load_base_policy(cfg.policy, cfg.policy.path, weights)
-    return wrap_with_lora(policy, cfg.peft, cfg.policy.path) if cfg.peft.enabled else policy
+    return wrap_with_lora(policy, cfg.peft, cfg.policy.path, cfg.policy.pretrained_path) if cfg.peft.enabled else policy
 
 
 def load_base_policy(policy_cfg: Any, path: str, weights: bool = True) -> PreTrainedPolicy:
@@ -64,7 +64,9 @@ def describe_finetune(cfg: TrainConfig, policy: nn.Module) -> dict[str, Any]:
     facts: dict[str, Any] = {
         "total_params": sum(p.numel() for p in policy.parameters()),
         "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
-        "base_model_path": str(Path(cfg.policy.path).resolve()) if cfg.policy.path is not None else None,
+        # As the adapter and config.json record it (a Hub repo id, a path relative to the current directory): the
+        # model card publishes it, so no path of this machine's disk that others cannot use.
+        "base_model_path": cfg.policy.pretrained_path if cfg.policy.path is not None else None,
         "peft": None,
     }
     if cfg.peft.enabled:

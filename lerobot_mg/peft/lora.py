@@ -9,7 +9,9 @@ only, under the keys peft's own ``get_peft_model_state_dict`` gives them (``adap
 ``PeftModel.save_pretrained`` writes it (``adapter_config.json``: inference mode, the base model path and class):
 the layout of a LeRobot 0.6.1 LoRA checkpoint, which PEFT's ``PeftModel.from_pretrained`` loads on the base. A
 LeRobot LoRA checkpoint loads here the same way, its relative base path resolved as
-:func:`lerobot_mg.peft.base.adapter_base_path` says. :func:`save_merged` writes the merged policy as a plain
+:func:`lerobot_mg.peft.base.adapter_base_path` says (in the current directory, as PEFT and LeRobot look). The base is
+recorded so that others can load it (:class:`lerobot_mg.peft.base.BaseRecord`: a Hub repo id and its commit, or a path
+relative to the current directory), with the sha256 of its weights, which loading checks. :func:`save_merged` writes the merged policy as a plain
 ``pretrained_model/``.
 """
 
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.schema import PeftConfig, TrainConfig
 from lerobot_mg.errors import ConfigError, config_error
-from lerobot_mg.peft.base import adapter_base_path, base_features
+from lerobot_mg.peft.base import BASE_SHA256_KEY, BaseRecord, adapter_base_path, base_features
 from lerobot_mg.policies.base import PreTrainedPolicy, safetensors_ready
 from lerobot_mg.policies.registry import get_policy_class, load_pretrained
 
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 METHOD_TYPES = ("LORA",)
 PEFT_NAME_PREFIX = "base_model.model."  # what PeftModel puts before the policy's own module names
 ADAPTER_NAME = "default"
+# The attribute of a wrapped model that holds its base's BaseRecord (what adapter_config.json records of the base).
+_BASE_RECORD = "lerobot_mg_base"
 # Module types peft's LoRA adapts. nn.MultiheadAttention is refused on sharded runs (see _check_target).
 _LORA_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.MultiheadAttention)
 
@@ -149,9 +153,12 @@ def _check_target(targets: list[str], target: str, name: str, module: nn.Module,
         )
 
 
-def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: str) -> PeftModel:
+def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: str,
+                   base_name: str | None = None) -> PeftModel:
     """The base frozen, LoRA adapters (fp32) on the targets, trainable copies of ``full_training_modules`` (in
-    the base's dtype). ``adapter_config.json`` will record ``base_path``, resolved."""
+    the base's dtype). ``base_path`` is the base's directory here, ``base_name`` the base as typed (``policy.path``,
+    or the ``policy.pretrained_path`` that records it): adapter_config.json records it as :class:`BaseRecord`
+    says, with the sha256 of the base's weights."""
     from peft import LoraConfig, get_peft_model
 
     alpha = peft_cfg.alpha()
@@ -166,8 +173,12 @@ def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: st
     )
     model = get_peft_model(policy, config, adapter_name=ADAPTER_NAME)
     # get_peft_model takes the name from the model (a transformers attribute our policies lack).
-    config.base_model_name_or_path = str(Path(base_path).resolve())
-    _mark_peft(policy.config, config.base_model_name_or_path)
+    # In memory the base is where it is on this machine (PEFT looks there for its config.json); the files name it
+    # as BaseRecord says (see write_configs).
+    record = BaseRecord.of(base_name or base_path, base_path)
+    config.base_model_name_or_path = str(record.directory)
+    setattr(model, _BASE_RECORD, record)
+    _mark_peft(policy.config, record.name)
     return model
 
 
@@ -233,14 +244,19 @@ class AdapterWeights:
         return {name_of[key]: value for key, value in adapter_state.items()}
 
     def write_configs(self, directory: Path) -> None:
-        """config.json (the policy) and adapter_config.json (the LoRA settings and the base model path), as
-        ``PeftModel.save_pretrained`` writes it: in inference mode, with the base model's class."""
+        """config.json (the policy) and adapter_config.json (the LoRA settings and the base model), as
+        ``PeftModel.save_pretrained`` writes it: in inference mode, with the base model's class, and beside it the
+        sha256 of the base's weights (computed once per run), which loading checks."""
         base = self.model.get_base_model()
         base.write_config(directory)
         config = copy.deepcopy(self.model.peft_config[ADAPTER_NAME])
         config.inference_mode = True
-        config.save_pretrained(str(directory), auto_mapping_dict={
-            "base_model_class": type(base).__name__, "parent_library": type(base).__module__})
+        auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+        record: BaseRecord | None = getattr(self.model, _BASE_RECORD, None)
+        if record is not None:
+            config.base_model_name_or_path, config.revision = record.name, record.revision
+            auto_mapping[BASE_SHA256_KEY] = record.sha256()
+        config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 
     def write(self, directory: Path, adapter_state: dict[str, Tensor]) -> None:
         """The configs and adapter_model.safetensors (``adapter_state`` is keyed like it); main process only."""
@@ -249,14 +265,17 @@ class AdapterWeights:
                   metadata={"format": "pt"})
 
 
-def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
-    """Base (from the path adapter_config.json records) + adapter, in eval mode. ``merge_adapter`` folds the
-    adapter into the base weights and returns the plain policy; otherwise the PeftModel (same outputs)."""
+def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True,
+                        chain: tuple[Path, ...] = ()) -> nn.Module:
+    """Base (the one adapter_config.json records, checked against its digest) + adapter, in eval mode.
+    ``merge_adapter`` folds the adapter into the base weights and returns the plain policy; otherwise the PeftModel
+    (same outputs). ``chain``: the adapters whose base this one is (a loop among them is refused)."""
     from peft import PeftConfig as LibraryPeftConfig  # the peft extra: imported by runs that use it
     from peft import PeftModel
 
-    base_path = adapter_base_path(directory)  # a LeRobot adapter's relative path resolved
-    base = load_policy(Path(base_path), map_location=map_location, merge_adapter=True)
+    base_path = adapter_base_path(directory, chain)  # a relative path or a Hub repo id resolved
+    base = load_policy(Path(base_path), map_location=map_location, merge_adapter=True,
+                       chain=(*chain, Path(directory).resolve()))
     config = LibraryPeftConfig.from_pretrained(str(directory))
     config.base_model_name_or_path = base_path
     model = PeftModel.from_pretrained(base, str(directory), adapter_name=ADAPTER_NAME, is_trainable=False,
@@ -266,12 +285,13 @@ def load_adapter_policy(directory: Path, map_location: str = "cpu", merge_adapte
     return model.merge_and_unload() if merge_adapter else model
 
 
-def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True) -> nn.Module:
+def load_policy(directory: Path, map_location: str = "cpu", merge_adapter: bool = True,
+                chain: tuple[Path, ...] = ()) -> nn.Module:
     """Load any ``pretrained_model`` directory: a whole policy, or a PEFT run's adapter applied to the base
     adapter_config.json records, merged into the weights (``merge_adapter``: a plain policy) or kept as a peft
     model that forwards the policy's methods."""
     if (Path(directory) / L.ADAPTER_CONFIG_JSON).is_file():
-        return load_adapter_policy(Path(directory), map_location, merge_adapter)
+        return load_adapter_policy(Path(directory), map_location, merge_adapter, chain)
     return load_pretrained(Path(directory), map_location=map_location)
 
 

@@ -22,8 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.checkpoint.layout import TRAIN_CONFIG_JSON
 from lerobot_mg.config.choices import FeatureType
+from lerobot_mg.config.literal import literal_strings
 from lerobot_mg.config.policy import PolicyConfig
-from lerobot_mg.config.schema import policy_config_class
+from lerobot_mg.config.schema import POLICY_CONFIGS, policy_config_class
 from lerobot_mg.errors import ConfigError, config_error
 
 CONFIG_NAME = "config.json"
@@ -110,7 +111,12 @@ def read_saved_policy(directory: Path, key: str = "policy.path") -> SavedPolicy:
         raise ConfigError(f"{config_path}: is not valid JSON ({error}). Fix: {fix}") from error
     if not isinstance(raw, dict) or "type" not in raw:
         raise ConfigError(f"{config_path}: has no 'type' field, so the policy it holds is unknown. Fix: {fix}")
-    policy_type = str(raw.pop("type"))
+    policy_type = raw.pop("type")
+    # A base of another type (LeRobot's pi0, smolvla, ...) is named as such, not as a mistyped policy.type.
+    if not isinstance(policy_type, str) or policy_type not in POLICY_CONFIGS:
+        raise config_error(key, str(directory), f"its {CONFIG_NAME} names the policy type {policy_type!r}, which "
+                           f"lerobot_mg does not build (it builds {', '.join(POLICY_CONFIGS)})",
+                           f"{key}=<a pretrained_model directory of one of those types>")
     config_class = policy_config_class(policy_type)
     missing_features = [name for name in FEATURE_KEYS if name not in raw]
     if missing_features:
@@ -140,11 +146,11 @@ def build_config(config_class: type[PolicyConfig], values: dict[str, Any], sourc
                  validate: bool = True) -> PolicyConfig:
     """The config dataclass of ``values`` through its schema (each value converted to the field's type, e.g. an
     enum from its word), validated unless ``validate`` is false; a value of the wrong type is a ConfigError naming
-    the field and ``source``."""
+    the field and ``source``. Strings are literal text: a ``${...}`` in a saved file is never resolved."""
     merged = OmegaConf.structured(config_class)
     try:
         for name, value in values.items():  # replaced, not merged: a saved mapping drops the default's other keys
-            OmegaConf.update(merged, name, value, merge=False)
+            OmegaConf.update(merged, name, literal_strings(value), merge=False)
     except OmegaConfBaseException as error:
         reason = str(error).splitlines()[0]
         raise ConfigError(f"{source}: policy.{getattr(error, 'full_key', '?')} does not fit "

@@ -137,6 +137,17 @@ def test_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"holds non-tensor entries .*param_groups"):
         convert_checkpoint(tmp_path / "000002")
 
+    (optimizer_dir / ".metadata").unlink()  # a save that never finished: .metadata is written last
+    with pytest.raises(ValueError, match=r"pytorch_model_fsdp_0: is not a DCP checkpoint directory \(it has no "
+                                         r"\.metadata file, which a save writes last\). Fix: checkpoint_dir="):
+        convert_checkpoint(tmp_path / "000002")
+
+
+def test_the_converter_reads_dcp_metadata_through_the_one_allow_listed_reader() -> None:
+    from lerobot_mg.checkpoint import convert, unpickle
+
+    assert convert.read_dcp_metadata is unpickle.read_dcp_metadata
+
 
 @pytest.mark.parametrize(
     "argv",

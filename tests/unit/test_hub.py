@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint import hub as checkpoint_hub
 from lerobot_mg.checkpoint.hub import UploadFailed, push_pretrained, upload_later_command
 from lerobot_mg.config import register_configs
@@ -26,6 +25,7 @@ from lerobot_mg.config.schema import DatasetConfig
 from lerobot_mg.data import hub
 from lerobot_mg.data.hub import INCOMPLETE_MARKER, lerobot_home, resolve_dataset
 from lerobot_mg.errors import ConfigError
+from tests.hub_server import FakeHub, Repo
 from tests.launch_utils import (
     PUSHT_SLICE,
     PYTHON,
@@ -156,14 +156,14 @@ def _pretrained(tmp_path: Path) -> Path:
     pretrained = tmp_path / "run" / "checkpoints" / "000002" / "pretrained_model"
     (pretrained / "pytorch_model_fsdp_0").mkdir(parents=True)
     for name in ("model.safetensors", "config.json", "train_config.json", "README.md", "pytorch_model_fsdp_0/x"):
-        (pretrained / name).write_text(name)
+        (pretrained / name).write_text("{}" if name.endswith(".json") else name)
     return pretrained
 
 
 def test_a_failed_upload_keeps_the_directory_and_names_it_and_the_command(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     pretrained = _pretrained(tmp_path)
-    before = {path: path.read_bytes() for path in pretrained.rglob("*") if path.is_file()}
+    before = {path: path.read_bytes() for path in pretrained.rglob("*") if path.is_file() and path.name != "README.md"}
 
     class DownApi:
         def create_repo(self, *args, **kwargs):
@@ -177,31 +177,59 @@ def test_a_failed_upload_keeps_the_directory_and_names_it_and_the_command(tmp_pa
                               "Connection refused)"), message
     assert message.endswith(f"kept at {pretrained.parent}. Fix: upload it later with "
                             f"{upload_later_command(pretrained.parent, 'me/pol')}")
-    assert {path: path.read_bytes() for path in pretrained.rglob("*") if path.is_file()} == before
+    # Nothing changed but the card, whose metadata the upload completed first (the text it had is kept).
+    assert {path: path.read_bytes() for path in pretrained.rglob("*") if path.is_file() and path.name != "README.md"
+            } == before
+    card = (pretrained / "README.md").read_text()
+    assert card.startswith("---\n") and "license: apache-2.0\n" in card and card.endswith("---\nREADME.md")
 
 
-class RecordingApi:
-    commits: list = []
-
-    def create_repo(self, repo_id: str, repo_type: str, exist_ok: bool) -> None:
-        assert (repo_type, exist_ok) == ("model", True)
-
-    def create_commit(self, repo_id: str, operations: list, commit_message: str, repo_type: str):
-        RecordingApi.commits.append((repo_id, sorted(op.path_in_repo for op in operations), commit_message))
-        return type("Commit", (), {"commit_url": f"https://hf.co/{repo_id}/commit/1"})()
+def _convert_and_push(hub: FakeHub, step_dir: Path, repo_id: str, *extra: str) -> subprocess.CompletedProcess:
+    """``lerobot-mg-convert-dcp checkpoint_dir=<step_dir> push_to_hub=<repo_id> ...`` as a user runs it, online
+    against the local Hub."""
+    env = clean_env({**hub.env(), "HF_HUB_OFFLINE": "0"})
+    return subprocess.run([PYTHON, "-c", "from lerobot_mg.checkpoint.convert import main; raise SystemExit(main())",
+                           f"checkpoint_dir={step_dir}", f"push_to_hub={repo_id}", *extra], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
 
 
-def test_the_converter_publishes_a_checkpoint_without_shards_as_it_is(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The command a run prints after a failed upload: the same upload, the card included, nothing merged."""
+def test_the_converter_publishes_as_lerobot_does_private_with_license_and_tags(tmp_path: Path) -> None:
+    """A checkpoint without shards is published as it is (the command a run prints after a failed upload): the
+    repo private as its config.json's ``private`` says, the card's metadata with its license and tags beside
+    LeRobot's own (robotics, lerobot, the policy type), and the same card on disk as on the Hub. ``private=``,
+    ``license=`` and ``tags=`` on the command line take the place of the checkpoint's."""
     pretrained = _pretrained(tmp_path)
     shutil.rmtree(pretrained / "pytorch_model_fsdp_0")
-    monkeypatch.setattr(checkpoint_hub, "HfApi", RecordingApi)
-    monkeypatch.setattr(checkpoint_hub, "hub_write_refusal", lambda **kwargs: None)
-    RecordingApi.commits.clear()
-    assert convert.main([f"checkpoint_dir={pretrained.parent}", "push_to_hub=me/pol"]) == 0
-    assert RecordingApi.commits == [("me/pol", ["README.md", "config.json", "model.safetensors", "train_config.json"],
-                                     "Upload 000002 (lerobot_mg)")]
+    (pretrained / "README.md").unlink()  # a run that did not publish wrote no card
+    (pretrained / "config.json").write_text(json.dumps({"type": "act", "private": True, "license": "mit",
+                                                        "tags": ["so101", "pick"]}))
+    (pretrained / "train_config.json").write_text(json.dumps({"dataset": {"repo_id": "me/ds"}}))
+    with FakeHub() as hub:
+        done = _convert_and_push(hub, pretrained.parent, "me/pol")
+        assert done.returncode == 0, done.stderr[-3000:]
+        repo = hub.repos["me/pol"]
+        assert repo.private and repo.created_with["visibility"] == "private"
+        assert sorted(repo.files) == ["README.md", "config.json", "model.safetensors", "train_config.json"]
+        assert repo.commits == ["Upload 000002 (lerobot_mg)"]
+        card = (pretrained / "README.md").read_text()
+        assert repo.files["README.md"] == card.encode()
+        assert card.startswith("---\nlibrary_name: lerobot\ndatasets:\n- me/ds\nlicense: mit\npipeline_tag: robotics\n"
+                               "tags:\n- robotics\n- lerobot\n- act\n- so101\n- pick\n---\n\n# me/pol\n"), card
+
+        done = _convert_and_push(hub, pretrained.parent, "me/open", "private=false", "license=cc-by-4.0", "tags=[x]")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert not hub.repos["me/open"].private and hub.repos["me/open"].created_with["visibility"] == "public"
+        card = hub.repos["me/open"].files["README.md"].decode()
+        assert "license: cc-by-4.0\n" in card and "- pick\n- x\n" in card  # the card's own tags kept, x added
+
+        hub.repos["me/public"] = Repo(private=False, created_with={})  # made public by someone, earlier
+        done = _convert_and_push(hub, pretrained.parent, "me/public")
+        assert done.returncode == 2 and hub.repos["me/public"].files == {}, done.stderr[-3000:]
+        (line,) = [line for line in done.stderr.splitlines() if "error:" in line]
+        assert line == (f"lerobot-mg-convert-dcp: error: push_to_hub=me/public: the repo exists and is public, and "
+                        f"private=true: nothing was uploaded. The checkpoint is complete and kept at {pretrained.parent}."
+                        f" Fix: make the repo private on the Hub, then upload it later with "
+                        f"{upload_later_command(pretrained.parent, 'me/public')}")
 
 
 # --- a real run ---------------------------------------------------------------------------------------------------

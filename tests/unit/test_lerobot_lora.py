@@ -3,8 +3,8 @@ and gives LeRobot's numbers, and is a base for fine-tuning.
 
 ``act_state_lora/pretrained_model`` holds PEFT's adapter only; its adapter_config.json names the base as LeRobot
 recorded ``--policy.path``: ``act_state/pretrained_model``, relative to the folder training ran in (the one holding
-both fixtures). Our loader finds it from the folders above the adapter whatever the current directory is, so every
-test here runs from an empty temporary directory. Numbers: the fixture's raw batch through our preprocessor (read
+both fixtures). Our loader reads it where PEFT and LeRobot read it, from the current directory: the tests here run
+in the folder holding both (the fixtures', or a copy of it), and one checks that nothing else is searched. Numbers: the fixture's raw batch through our preprocessor (read
 from the adapter directory's own processor files) and our policy, unmerged (peft's PeftModel) against LeRobot's
 ``eval.*`` / ``train.*``, merged against ``merged.*``, on one thread; atol 1e-5 on tensors, 1e-6 on losses (relative
 1e-6 on the large training loss).
@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from lerobot_mg.checkpoint import layout as L
+from lerobot_mg.errors import ConfigError
+from lerobot_mg.peft.base import BASE_SHA256_KEY, weights_sha256
 from lerobot_mg.peft.lora import is_peft_model, load_policy
 from lerobot_mg.policies.act import ACTPolicy
 from lerobot_mg.processors.normalize import load_processors
@@ -45,9 +47,9 @@ LORA_TARGETS = [*(f"model.encoder.layers.{i}.linear{j}" for i in (0, 1) for j in
 
 
 @pytest.fixture(autouse=True)
-def one_thread_in_an_empty_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One thread (the fixture's tolerances), and a current directory where no relative base path resolves."""
-    monkeypatch.chdir(tmp_path)
+def one_thread_where_lerobot_trained(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One thread (the fixture's tolerances), in the folder LeRobot trained in (holding the adapter and its base)."""
+    monkeypatch.chdir(FIXTURES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -81,12 +83,16 @@ def act_of(model: torch.nn.Module) -> ACTPolicy:
     return policy
 
 
-def test_the_base_path_is_relative_as_lerobot_wrote_it() -> None:
+def test_the_base_path_is_relative_as_lerobot_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     recorded = json.loads((pretrained_model_dir(LORA) / L.ADAPTER_CONFIG_JSON).read_text())
     assert recorded["base_model_name_or_path"] == "act_state/pretrained_model"
-    assert not Path(recorded["base_model_name_or_path"]).exists()  # not from this (empty) current directory
-    assert (pretrained_model_dir(LORA) / "../../act_state/pretrained_model").resolve() == pretrained_model_dir(
-        "act_state").resolve()
+    assert Path(recorded["base_model_name_or_path"]).resolve() == pretrained_model_dir("act_state").resolve()
+    monkeypatch.chdir(tmp_path)  # elsewhere, the folders above the adapter are not searched
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=rf"names the base act_state/pretrained_model, which is no directory under "
+                                          rf"the current directory {tmp_path}"):
+        load_policy(pretrained_model_dir(LORA))
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["unmerged", "merged"])
@@ -151,24 +157,26 @@ def fixture_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fixture_dataset(tmp_path_factory.mktemp("interop") / "dataset")
 
 
-def test_a_copy_of_lerobots_lora_checkpoint_is_a_full_fine_tuning_base(fixture_dataset: Path, tmp_path: Path) -> None:
+def test_a_copy_of_lerobots_lora_checkpoint_is_a_full_fine_tuning_base(fixture_dataset: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """policy.path=<a copy of act_state_lora>: the adapter is merged into its base, strictly, and a 2-step full
-    fine-tune starts from there with the adapter's processors; the run's current directory is not the folder
-    holding the two (the base is found from the folder above the adapter)."""
+    fine-tune starts from there with the adapter's processors; the run starts in the folder holding the two, as
+    LeRobot's did, and records its base relative to it."""
     base = _copy_of_lerobots_lora(tmp_path / "interop")
     run_dir = tmp_path / "run"
     run_train([*FINETUNE, f"dataset.root={fixture_dataset}", f"policy.path={base}", f"output_dir={run_dir}"],
-              cwd=tmp_path)
+              cwd=tmp_path / "interop")
     pretrained = run_dir / "checkpoints" / "last" / "pretrained_model"
     ours = json.loads((pretrained / "config.json").read_text())
     lerobots = json.loads((base / "config.json").read_text())
     # LeRobot's config in, LeRobot's config out: a plain policy now, whose base is the LoRA directory (and the
     # integer LeRobot wrote for replace_final_stride_with_dilation read as the boolean it means).
-    assert ours == {**lerobots, "use_peft": False, "pretrained_path": str(base), "push_to_hub": True,
-                    "replace_final_stride_with_dilation": False}
+    assert ours == {**lerobots, "use_peft": False, "pretrained_path": "act_state_lora/pretrained_model",
+                    "push_to_hub": True, "replace_final_stride_with_dilation": False}
     assert not (pretrained / L.ADAPTER_SAFETENSORS).exists()
     for name in sorted(path.name for path in base.glob("policy_*")):  # the adapter's processors, unchanged
         assert (pretrained / name).read_bytes() == (base / name).read_bytes(), name
+    monkeypatch.chdir(tmp_path / "interop")  # where the copy's own base is found
     start = load_policy(base).state_dict()  # the adapter merged into act_state
     trained = load_file(str(pretrained / L.MODEL_SAFETENSORS))
     assert sorted(trained) == sorted(start) and all(trained[k].shape == start[k].shape for k in start)
@@ -177,18 +185,23 @@ def test_a_copy_of_lerobots_lora_checkpoint_is_a_full_fine_tuning_base(fixture_d
     assert not torch.equal(start["model.action_head.weight"], act_state["model.action_head.weight"])  # merged
 
 
-def test_a_copy_of_lerobots_lora_checkpoint_is_a_lora_base(fixture_dataset: Path, tmp_path: Path) -> None:
-    """A new LoRA on the merged LeRobot adapter: our adapter checkpoint records the LoRA directory as its base
-    (config.json: use_peft, pretrained_path; adapter_config.json: base_model_name_or_path) and loads back."""
+def test_a_copy_of_lerobots_lora_checkpoint_is_a_lora_base(fixture_dataset: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new LoRA on the merged LeRobot adapter: our adapter checkpoint records the LoRA directory as its base,
+    relative to the folder the run started in (config.json: use_peft, pretrained_path; adapter_config.json:
+    base_model_name_or_path, with the digest of the LoRA's weights) and loads back from there."""
     base = _copy_of_lerobots_lora(tmp_path / "interop")
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "interop" / "outputs" / "run"
     run_train([*FINETUNE, f"dataset.root={fixture_dataset}", f"policy.path={base}", "peft=lora", "peft.r=4",
-               f"output_dir={run_dir}"], cwd=tmp_path)
+               f"output_dir={run_dir}"], cwd=tmp_path / "interop")
     pretrained = run_dir / "checkpoints" / "last" / "pretrained_model"
     assert (pretrained / L.ADAPTER_SAFETENSORS).is_file() and not (pretrained / L.MODEL_SAFETENSORS).exists()
     ours = json.loads((pretrained / "config.json").read_text())
-    assert (ours["use_peft"], ours["pretrained_path"]) == (True, str(base))
-    assert json.loads((pretrained / L.ADAPTER_CONFIG_JSON).read_text())["base_model_name_or_path"] == str(base)
+    assert (ours["use_peft"], ours["pretrained_path"]) == (True, "act_state_lora/pretrained_model")
+    recorded = json.loads((pretrained / L.ADAPTER_CONFIG_JSON).read_text())
+    assert recorded["base_model_name_or_path"] == "act_state_lora/pretrained_model"
+    assert recorded["auto_mapping"][BASE_SHA256_KEY] == weights_sha256(base.resolve())
+    monkeypatch.chdir(tmp_path / "interop")
     batch = preprocessed_batch()
     observation = {k: v for k, v in batch.items() if not k.startswith("action")}
     assert_tensor(load_policy(pretrained, merge_adapter=False).predict_action_chunk(observation),

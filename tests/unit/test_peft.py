@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.config.schema import PeftConfig
 from lerobot_mg.distributed.wrap import select_wrap_units
-from lerobot_mg.peft.base import apply_policy_path
+from lerobot_mg.errors import ConfigError
+from lerobot_mg.peft.base import BASE_SHA256_KEY, adapter_base_path, apply_policy_path, weights_sha256
 from lerobot_mg.peft.build import load_base_policy
 from lerobot_mg.peft.lora import AdapterWeights, load_policy, wrap_with_lora
 from lerobot_mg.policies.act import ACTPolicy
@@ -232,7 +233,9 @@ def test_an_adapter_checkpoint_is_laid_out_as_lerobots_and_loads_with_peft(tmp_p
     assert {key: ours[key] for key in lerobots if key not in differ} == {
         key: value for key, value in lerobots.items() if key not in differ}
     assert ours["base_model_name_or_path"] == str(base_dir.resolve()) and ours["inference_mode"] is True
-    assert ours["auto_mapping"] == {"base_model_class": "ACTPolicy", "parent_library": ACTPolicy.__module__}
+    # PEFT's record of the base, with the digest of its weights beside it (PEFT and LeRobot ignore the key).
+    assert ours["auto_mapping"] == {"base_model_class": "ACTPolicy", "parent_library": ACTPolicy.__module__,
+                                    BASE_SHA256_KEY: weights_sha256(base_dir.resolve())}
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), "pt") as mine, \
             safe_open(str(LEROBOT_LORA / "adapter_model.safetensors"), "pt") as theirs:
         assert mine.metadata() == theirs.metadata() == {"format": "pt"}
@@ -270,20 +273,81 @@ def test_a_merged_adapter_checkpoint_is_a_plain_pretrained_model(tmp_path: Path)
                                rtol=0, atol=1e-5)
 
 
-def test_lerobots_relative_base_path_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LeRobot writes --policy.path as typed (relative to where training ran): PEFT looks in the current directory,
-    and lerobot_mg then in each folder above the adapter, where act_state_lora finds act_state."""
-    from lerobot_mg.errors import ConfigError
-    from lerobot_mg.peft.base import adapter_base_path
-
+def test_lerobots_relative_base_path_is_read_in_the_current_directory_only(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """LeRobot writes --policy.path as typed (relative to where training ran), and PEFT and LeRobot read it from the
+    current directory: so does lerobot_mg, inside it, and nowhere else (no folder above the adapter is searched)."""
     assert json.loads((LEROBOT_LORA / "adapter_config.json").read_text())["base_model_name_or_path"] == (
         "act_state/pretrained_model")
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(LEROBOT)  # the folder LeRobot trained in, holding both
     assert adapter_base_path(LEROBOT_LORA) == str((LEROBOT / "act_state" / "pretrained_model").resolve())
-    elsewhere = shutil.copytree(LEROBOT_LORA, tmp_path / "lora" / "pretrained_model")
+    monkeypatch.chdir(LEROBOT / "act_state_lora")  # a folder above the adapter, but not the one training ran in
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(ConfigError, match=r"act_state/pretrained_model.*could not be had"):
-        adapter_base_path(elsewhere)  # not on disk, and not in the Hub cache either
-    (tmp_path / "act_state").symlink_to(LEROBOT / "act_state")  # from the current directory, as PEFT does
-    assert Path(adapter_base_path(elsewhere)) == (LEROBOT / "act_state" / "pretrained_model").resolve()
+    with pytest.raises(ConfigError, match=r"names the base act_state/pretrained_model, which is no directory under "
+                                          r"the current directory .*could not be had"):
+        adapter_base_path(LEROBOT_LORA)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "act_state").symlink_to(LEROBOT / "act_state")  # a link out of the current directory
+    with pytest.raises(ConfigError, match=r"base_model_name_or_path='act_state/pretrained_model' is read inside "
+                                          r".*, and leads out of it through a symbolic link"):
+        adapter_base_path(LEROBOT_LORA)
+    (tmp_path / "act_state").unlink()
+    shutil.copytree(LEROBOT / "act_state", tmp_path / "act_state")
+    assert Path(adapter_base_path(LEROBOT_LORA)) == (tmp_path / "act_state" / "pretrained_model").resolve()
+
+
+def _with_base(adapter_dir: Path, directory: Path, recorded: str, digest: bool = True) -> Path:
+    """A copy of ``adapter_dir`` in ``directory`` whose adapter_config.json names the base ``recorded``."""
+    copy = shutil.copytree(adapter_dir, directory)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    if not digest:
+        config["auto_mapping"].pop(BASE_SHA256_KEY)
+    (copy / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": recorded}))
+    return copy
+
+
+def test_a_base_is_recorded_for_others_and_read_back_only_where_the_adapter_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trained from a folder holding the base, the adapter names it relative to that folder; a base outside the
+    current directory is named by its absolute path, read back only with the digest of its weights; '..', a loop
+    back to the adapter and another base of the same name are refused, each in one line."""
+    monkeypatch.chdir(tmp_path)
+    _, base_dir, adapter_dir = _act_state_sized_adapter(tmp_path)
+    saved = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert (saved["base_model_name_or_path"], saved["revision"]) == ("base/pretrained_model", None)
+    assert saved["auto_mapping"][BASE_SHA256_KEY] == weights_sha256(base_dir.resolve())
+    assert json.loads((adapter_dir / "config.json").read_text())["pretrained_path"] == "base/pretrained_model"
+
+    outside = _with_base(adapter_dir, tmp_path / "a" / "pretrained_model", str(base_dir.resolve()))
+    assert adapter_base_path(outside) == str(base_dir.resolve())  # pinned by its digest
+    bare = _with_base(adapter_dir, tmp_path / "b" / "pretrained_model", str(base_dir.resolve()), digest=False)
+    with pytest.raises(ConfigError, match=r"is an absolute path, read only from an adapter that records the digest"):
+        adapter_base_path(bare)
+    up = _with_base(adapter_dir, tmp_path / "c" / "pretrained_model", "../base/pretrained_model")
+    with pytest.raises(ConfigError, match=r"leads out of it \(an absolute path or '\.\.'\)"):
+        adapter_base_path(up)
+    itself = _with_base(adapter_dir, tmp_path / "d" / "pretrained_model", "d/pretrained_model", digest=False)
+    with pytest.raises(ConfigError, match=r"base_model_name_or_path='d/pretrained_model' leads back to the adapter "
+                                          r"itself"):
+        load_policy(itself)
+    # Two adapters naming each other: the loop is found on the way, not recursed into.
+    first = _with_base(adapter_dir, tmp_path / "e" / "pretrained_model", "f/pretrained_model", digest=False)
+    _with_base(adapter_dir, tmp_path / "f" / "pretrained_model", "e/pretrained_model", digest=False)
+    with pytest.raises(ConfigError, match=r"leads back to the adapter .*e/pretrained_model, which would load"):
+        load_policy(first)
+
+    shutil.move(str(base_dir.parent), str(tmp_path / "kept"))
+    _save_base_like(tmp_path / "kept" / "pretrained_model", tmp_path / "base" / "pretrained_model")
+    with pytest.raises(ConfigError, match=r"adapter_config.json: the adapter was trained on the base "
+                                          r"base/pretrained_model whose weights have sha256"):
+        load_policy(adapter_dir)
+
+
+def _save_base_like(kept: Path, directory: Path) -> None:
+    """Another base of the same config at ``directory``: other weights."""
+    policy = load_policy(kept)
+    torch.manual_seed(7)
+    for param in policy.parameters():
+        param.data.add_(torch.randn_like(param))
+    policy.save_pretrained(directory)
