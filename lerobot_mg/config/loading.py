@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from omegaconf.nodes import EnumNode
 
 from lerobot_mg.config.choices import choice_error
+from lerobot_mg.config.literal import literal_values
 from lerobot_mg.config.schema import (
     POLICY_CONFIGS,
     REPO_ROOT,
@@ -181,31 +182,6 @@ def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     the typed object's interpolations were resolved when it was built, so a string in it that reads like one
     (``${oc.env:...}`` from a resumed file, see :func:`literal_values`) is data and is written as it is."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)  # type: ignore[return-value]
-
-
-# A run of backslashes right before "${": OmegaConf reads each pair as one backslash and an odd one as the escape.
-_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
-
-
-def literal_values(data: Any, source: Path | str, key: str = "") -> Any:
-    """``data`` (values read from a JSON file someone else may have written: a resumed train_config.json, a base
-    policy's config.json) made safe to put into an OmegaConf config: every string that OmegaConf would resolve as an
-    interpolation (``${oc.env:HF_TOKEN}`` would become the token, and an unset variable fail deep in OmegaConf) is
-    escaped so that it reads back as the same literal text. OmegaConf's missing-value marker ``???`` has no escape
-    and is refused: :class:`ConfigError` naming ``source`` and the dotted ``key``. Mappings and lists are walked;
-    other values are returned as they are."""
-    if isinstance(data, dict):
-        return {name: literal_values(value, source, f"{key}.{name}" if key else str(name))
-                for name, value in data.items()}
-    if isinstance(data, list | tuple):
-        return [literal_values(value, source, f"{key}[{index}]") for index, value in enumerate(data)]
-    if isinstance(data, str):
-        if data == "???":
-            raise ConfigError(f"{source}: {key}='???' is OmegaConf's marker of a missing value, which no saved config "
-                              "holds. Fix: a config file written by lerobot_mg or LeRobot 0.6.1 (or give the field a "
-                              "value)")
-        return _INTERPOLATION_START.sub(lambda match: match.group(1) * 2 + "\\${", data)
-    return data
 
 
 def load_train_config_json(path: Path) -> DictConfig:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.config.literal import literal_strings
+from lerobot_mg.config.literal import literal_values
 from lerobot_mg.config.loading import override_keys
 from lerobot_mg.config.policy import is_repo_id
 from lerobot_mg.config.schema import policy_config_class
@@ -258,8 +258,8 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
                  validate=False)
     if saved.type != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(saved.type))
-    # The base's values as literal text: a "${...}" in a downloaded config.json is never resolved (see literal_strings).
-    base = {f"policy.{name}": literal_strings(value) for name, value in saved.values.items()
+    # The base's values as literal text: a "${...}" in a downloaded config.json is never resolved (see literal_values).
+    base = {f"policy.{name}": literal_values(value, Path(path) / CONFIG_NAME, f"policy.{name}") for name, value in saved.values.items()
             if name not in _RUN_OWN_FIELDS}
     if saved.values.get("observation_keys") is None:  # a LeRobot base (or ours on every input): what it reads
         base["policy.observation_keys"] = list(saved.input_features)

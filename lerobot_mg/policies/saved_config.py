@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lerobot_mg.checkpoint.layout import TRAIN_CONFIG_JSON
 from lerobot_mg.config.choices import FeatureType
-from lerobot_mg.config.literal import literal_strings
+from lerobot_mg.config.literal import literal_values
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.config.schema import POLICY_CONFIGS, policy_config_class
 from lerobot_mg.errors import ConfigError, config_error
@@ -150,7 +150,7 @@ def build_config(config_class: type[PolicyConfig], values: dict[str, Any], sourc
     merged = OmegaConf.structured(config_class)
     try:
         for name, value in values.items():  # replaced, not merged: a saved mapping drops the default's other keys
-            OmegaConf.update(merged, name, literal_strings(value), merge=False)
+            OmegaConf.update(merged, name, literal_values(value, source, f"policy.{name}"), merge=False)
     except OmegaConfBaseException as error:
         reason = str(error).splitlines()[0]
         raise ConfigError(f"{source}: policy.{getattr(error, 'full_key', '?')} does not fit "

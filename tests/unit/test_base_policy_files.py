@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.config.literal import literal_strings
+from lerobot_mg.config.literal import literal_values
 from lerobot_mg.config.loading import to_train_config
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import BASE_SHA256_KEY, apply_policy_path, weights_sha256
@@ -40,9 +40,9 @@ SECRET = "s3cr3t-from-the-environment"
 
 @pytest.mark.parametrize("text", ["${oc.env:SOME_SECRET}", "a${b}c", "\\${a}", "x\\", "\\\\${a}", "${", "plain",
                                   "${a:${b}}", "a\\b${c}"])
-def test_literal_strings_resolve_to_their_own_text(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_literal_values_resolve_to_their_own_text(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SOME_SECRET", SECRET)
-    config = OmegaConf.create(literal_strings({"value": text, "nested": {"list": [text, 3, None]}}))
+    config = OmegaConf.create(literal_values({"value": text, "nested": {"list": [text, 3, None]}}, "config.json"))
     assert OmegaConf.to_container(config, resolve=True) == {"value": text, "nested": {"list": [text, 3, None]}}
 
 

@@ -58,7 +58,7 @@ def test_the_guide_flag_replaces_the_default_dataset_unless_a_root_is_typed() ->
     assert (cfg.dataset.name, cfg.dataset.root, cfg.dataset.repo_id) == (DatasetName.lerobot, None, "me/my_dataset")
     typed = _run_config(["dataset.repo_id=me/my_dataset", f"dataset.root={PUSHT_SLICE}"])
     assert typed.dataset.root == str(PUSHT_SLICE)
-    # A preset that names its own directory keeps it, as LeRobot reads a given --dataset.root.
+    # A preset that names its own directory keeps it in the config; the start then refuses the pair (test_dataset_hub).
     assert _run_config(["experiment=pusht_debug", "dataset.repo_id=me/x"]).dataset.root == str(PUSHT_SLICE)
     assert _run_config([]).dataset.name == DatasetName.embedded  # no repo id: the embedded default as before
 
@@ -73,10 +73,12 @@ def test_lerobot_home_is_lerobots_own_cache() -> None:
 def test_a_cached_dataset_is_found_offline_and_a_typed_root_wins(tmp_path: Path) -> None:
     cached = lay_out(tmp_path / "lr", "me/ds")
     env = {"HF_LEROBOT_HOME": str(tmp_path / "lr"), "HF_HUB_OFFLINE": "1"}
-    source = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, repo_id="me/ds", revision="v3.0"), env)
-    assert (source.root, source.repo_id, source.revision, source.how) == (str(cached), "me/ds", "v3.0", "cache")
-    given = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, root=str(PUSHT_SLICE), repo_id="me/ds"), env)
-    assert (given.root, given.how) == (str(PUSHT_SLICE), "root")
+    source = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, repo_id="me/ds"), env)
+    assert (source.root, source.repo_id, source.revision, source.how) == (str(cached), "me/ds", None, "cache")
+    # A root of the user's own beside the repo id is read as that repo's copy (LeRobot's --dataset.root).
+    mine = shutil.copytree(PUSHT_SLICE, tmp_path / "mine")
+    given = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, root=str(mine), repo_id="me/ds"), env)
+    assert (given.root, given.how) == (str(mine), "root")
 
 
 def test_offline_and_not_cached_is_one_line_naming_the_repo_where_it_looked_and_the_fetch(tmp_path: Path) -> None:
@@ -123,10 +125,10 @@ def test_the_ranks_of_a_node_download_once_and_all_read_the_same_copy(tmp_path: 
     assert calls == [("me/ds", "dataset", "0123abcd", tmp_path / "lr" / "me" / "ds")]
     assert sorted(source.how for source in sources) == ["cache", "cache", "download"]
     assert {source.root for source in sources} == {str(tmp_path / "lr" / "me" / "ds")}
-    assert next(s for s in sources if s.how == "download").revision == "0123abcd"  # the commit, for the run facts
+    assert next(s for s in sources if s.how == "download").commit == "0123abcd"  # the commit, for the run facts
     assert not (tmp_path / "lr" / "me" / "ds" / INCOMPLETE_MARKER).exists()
     # A later start finds the copy and records the same commit (a resume sees no change of revision).
-    assert resolve_dataset(cfg, env).revision == "0123abcd"
+    assert resolve_dataset(cfg, env).commit == "0123abcd"
 
 
 def test_policy_path_as_a_hub_repo_id_reads_huggingface_hubs_cache_offline(tmp_path: Path) -> None:

@@ -331,12 +331,15 @@ def test_a_missing_or_unexpected_key_stops_the_run_naming_them(fixture_dataset: 
 
 
 
-def test_a_lerobot_adapters_relative_base_path_resolves_as_lerobot_wrote_it(tmp_path: Path) -> None:
-    """LeRobot records --policy.path as typed (relative to where lerobot-train ran): found from the folder above."""
+def test_a_lerobot_adapters_relative_base_path_resolves_as_lerobot_wrote_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """LeRobot records --policy.path as typed, relative to where lerobot-train ran: it is found from that folder (the
+    current directory, as PEFT and LeRobot read it), never by searching the adapter's parent folders."""
     lora = shutil.copytree(FIXTURES / "act_state_lora", tmp_path / "act_state_lora")
     shutil.copytree(FIXTURES / "act_state", tmp_path / "act_state")
     recorded = json.loads((lora / "pretrained_model" / L.ADAPTER_CONFIG_JSON).read_text())["base_model_name_or_path"]
     assert recorded == "act_state/pretrained_model"
+    monkeypatch.chdir(tmp_path)
     assert adapter_base_path(lora / "pretrained_model") == str(tmp_path / "act_state" / "pretrained_model")
 
 

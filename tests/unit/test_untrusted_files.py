@@ -45,7 +45,8 @@ from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint.dcp_io import load_dcp, save_dcp
 from lerobot_mg.checkpoint.resume import check_resumable
 from lerobot_mg.checkpoint.unpickle import METADATA_GLOBALS, read_dcp_metadata
-from lerobot_mg.config.loading import literal_values, load_train_config_json
+from lerobot_mg.config.literal import literal_values
+from lerobot_mg.config.loading import load_train_config_json
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.processors import PolicyProcessorPipeline, make_processors
