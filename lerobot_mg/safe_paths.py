@@ -55,10 +55,11 @@ def _problem(root: Path, stored: object) -> str | None:
 
 
 def contained(root: Path | str, stored: object, source: Path | str, key: str,
-              fix: str = TRUSTED_SOURCE_FIX) -> Path:
+              fix: str = TRUSTED_SOURCE_FIX, folder: bool = False) -> Path:
     """``root / stored``, for a ``stored`` path read from the file ``source`` under ``key``, once it is known to stay
     in ``root``: a relative path without ``..``, that resolves (through any symlink) inside ``root`` (or the Hub
-    cache's blobs of the snapshot ``root`` is in), and that names a regular file when something exists there.
+    cache's blobs of the snapshot ``root`` is in), and that names a regular file (a directory, with ``folder``) when
+    something exists there.
     A path that exists nowhere yet is returned as it is: the caller reports a missing file in its own words.
     Raises :class:`UnsafePath`, naming ``source``, ``key`` and ``stored``, otherwise."""
     root = Path(root)
@@ -75,9 +76,12 @@ def contained(root: Path | str, stored: object, source: Path | str, key: str,
                 mode = os.stat(real).st_mode
             except FileNotFoundError:
                 return path
-            if not stat.S_ISREG(mode):
+            if folder and not stat.S_ISDIR(mode):
+                problem = "is not a directory"
+            elif not folder and not stat.S_ISREG(mode):
                 problem = "is not a regular file"
     if problem is None:
         return path
-    raise UnsafePath(f"{source}: {key}={stored!r} {problem}: a path read from a file must name a regular file inside "
+    kind = "a directory" if folder else "a regular file"
+    raise UnsafePath(f"{source}: {key}={stored!r} {problem}: a path read from a file must name {kind} inside "
                      f"{root}, so nothing was read from it. Fix: {fix}")

@@ -363,7 +363,9 @@ def resolve_policy_path(path: str, revision: str | None = None) -> str:
     if Path(path).exists() or not is_repo_id(path):
         return path
     try:
-        return snapshot_download(path, repo_type="model", revision=revision, allow_patterns=list(POLICY_FILES))
+        # Offline, the cached snapshot is read without listing the repo (which huggingface_hub would still try).
+        return snapshot_download(path, repo_type="model", revision=revision, allow_patterns=list(POLICY_FILES),
+                                 local_files_only=hub_offline())
     except Exception as error:  # not cached offline, no network, no such repo
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         at = f" --revision {revision}" if revision else ""

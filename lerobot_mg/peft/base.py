@@ -32,6 +32,7 @@ from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
 from lerobot_mg.policies.saved_config import build_config, read_saved_policy
+from lerobot_mg.safe_paths import contained
 
 # Fields of a base's config that say where the base itself came from or went, not how it is built: the
 # fine-tuning run sets its own (its repo, whether it trains an adapter, the base it starts from).
@@ -127,24 +128,6 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def resolve_inside(root: Path, relative: str, source: Path, key: str) -> Path:
-    """``relative`` (read from ``source`` under ``key``) resolved inside ``root``: an absolute path, a ``..`` or a
-    symbolic link that leads out of ``root`` is refused, and so is anything but a directory."""
-    problem = None
-    if Path(relative).is_absolute() or ".." in Path(relative).parts:
-        problem = "leads out of it (an absolute path or '..')"
-    else:
-        path = (root / relative).resolve()
-        if not path.is_relative_to(root.resolve()):
-            problem = f"leads out of it through a symbolic link (to {path})"
-        elif not path.is_dir():
-            problem = "is no directory there"
-    if problem is not None:
-        raise ConfigError(f"{source}: {key}={relative!r} is read inside {root}, and {problem}. Fix: set {key} to the "
-                          f"base's path relative to {root}, or to its Hub repo id")
-    return path
-
-
 def adapter_base_path(adapter_dir: Path, chain: tuple[Path, ...] = ()) -> str:
     """The base directory of the adapter in ``adapter_dir``, from its adapter_config.json.
 
@@ -197,7 +180,13 @@ def _locate_base(recorded: str, revision: str | None, digest: str | None, source
         return Path(recorded).resolve()
     here = Path.cwd()
     if (here / recorded).exists() or not is_repo_id(recorded):  # a folder first, as PEFT and policy.path look
-        return resolve_inside(here, recorded, source, "base_model_name_or_path")
+        fix = ("set base_model_name_or_path to the base's path relative to the current directory, or to its Hub "
+               "repo id")
+        base = contained(here, recorded, source, "base_model_name_or_path", fix, folder=True)
+        if not base.is_dir():
+            raise ConfigError(f"{source}: base_model_name_or_path={recorded!r} is read inside {here}, and is no "
+                              f"directory there. Fix: {fix}")
+        return base.resolve()
     try:
         return Path(resolve_policy_path(recorded, revision)).resolve()
     except ConfigError as error:

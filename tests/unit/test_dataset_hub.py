@@ -238,8 +238,10 @@ def _serve_model_repo(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     files the call allows, which land in a snapshot folder."""
     calls: list[dict] = []
 
-    def snapshot_download(repo_id: str, *, repo_type: str, revision: str | None, allow_patterns: list[str]) -> str:
-        calls.append({"repo_id": repo_id, "repo_type": repo_type, "allow_patterns": allow_patterns})
+    def snapshot_download(repo_id: str, *, repo_type: str, revision: str | None, allow_patterns: list[str],
+                          local_files_only: bool) -> str:
+        calls.append({"repo_id": repo_id, "repo_type": repo_type, "allow_patterns": allow_patterns,
+                      "local_files_only": local_files_only})
         snapshot = tmp_path / "hub" / "snapshots" / "abc"
         for name in filter_repo_objects(_files(repo), allow_patterns=allow_patterns):
             (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +269,8 @@ def test_a_hub_policy_path_fetches_only_what_loading_reads_and_loads_from_it(tmp
     repo = _with_extras(pretrained, tmp_path / "repo")
     calls = _serve_model_repo(repo, tmp_path, monkeypatch)
     snapshot = Path(resolve_policy_path("someone/act_base", "main"))
-    assert calls == [{"repo_id": "someone/act_base", "repo_type": "model", "allow_patterns": list(POLICY_FILES)}]
+    assert calls == [{"repo_id": "someone/act_base", "repo_type": "model", "allow_patterns": list(POLICY_FILES),
+                     "local_files_only": False}]
     assert _files(snapshot) == _files(pretrained)  # every file of the checkpoint, and nothing else
     assert {f"{name}.json" for name in PIPELINE_NAMES} <= set(_files(snapshot))
     assert check_policy_path(str(snapshot)) is BaseWeights.FULL

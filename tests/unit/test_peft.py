@@ -289,8 +289,8 @@ def test_lerobots_relative_base_path_is_read_in_the_current_directory_only(tmp_p
         adapter_base_path(LEROBOT_LORA)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "act_state").symlink_to(LEROBOT / "act_state")  # a link out of the current directory
-    with pytest.raises(ConfigError, match=r"base_model_name_or_path='act_state/pretrained_model' is read inside "
-                                          r".*, and leads out of it through a symbolic link"):
+    with pytest.raises(ConfigError, match=r"base_model_name_or_path='act_state/pretrained_model' leads out of "
+                                          r".* through a symlink"):
         adapter_base_path(LEROBOT_LORA)
     (tmp_path / "act_state").unlink()
     shutil.copytree(LEROBOT / "act_state", tmp_path / "act_state")
@@ -325,7 +325,7 @@ def test_a_base_is_recorded_for_others_and_read_back_only_where_the_adapter_says
     with pytest.raises(ConfigError, match=r"is an absolute path, read only from an adapter that records the digest"):
         adapter_base_path(bare)
     up = _with_base(adapter_dir, tmp_path / "c" / "pretrained_model", "../base/pretrained_model")
-    with pytest.raises(ConfigError, match=r"leads out of it \(an absolute path or '\.\.'\)"):
+    with pytest.raises(ConfigError, match=r"climbs out of its folder with '\.\.'"):
         adapter_base_path(up)
     itself = _with_base(adapter_dir, tmp_path / "d" / "pretrained_model", "d/pretrained_model", digest=False)
     with pytest.raises(ConfigError, match=r"base_model_name_or_path='d/pretrained_model' leads back to the adapter "
