@@ -24,8 +24,11 @@ def model_card(cfg: TrainConfig, facts: RunFacts, progress: Progress, final_loss
                evaluation: dict[str, Any] | None) -> str:
     """The README.md of the published model repo."""
     dataset = facts.dataset_source or {}
-    dataset_name = dataset.get("repo_id") or dataset.get("root") or str(cfg.dataset.root)
-    revision = f" (revision {dataset['revision']})" if dataset.get("revision") else ""
+    # A local dataset is named by its folder only: the card is published, the path is this machine's.
+    dataset_name = dataset.get("repo_id") or Path(dataset.get("root") or str(cfg.dataset.root)).name
+    commit = dataset.get("commit")
+    revision = (f" (commit {commit})" if commit
+                else f" (revision {dataset['revision']}, commit unknown)" if dataset.get("revision") else "")
     tags = ["lerobot", "lerobot_mg", "robotics", cfg.policy.type]
     front = "\n".join(["---", "library_name: lerobot", "pipeline_tag: robotics", "tags:",
                        *(f"- {tag}" for tag in tags),

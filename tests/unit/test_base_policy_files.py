@@ -105,7 +105,8 @@ def test_a_lora_run_on_a_base_with_interpolations_publishes_nothing_of_the_envir
     adapter_config = json.loads(repo.files[L.ADAPTER_CONFIG_JSON])
     assert adapter_config["base_model_name_or_path"] == "base/pretrained_model" == ours["pretrained_path"]
     assert adapter_config["auto_mapping"][BASE_SHA256_KEY] == weights_sha256(base.resolve())
-    for name in (L.ADAPTER_CONFIG_JSON, "config.json"):  # what names the base: no path of this disk
+    assert "| dataset | dataset |" in card  # a local dataset by its folder's name: the card names no path of this disk
+    for name in (L.ADAPTER_CONFIG_JSON, "config.json", "README.md"):  # what names the base: no path of this disk
         assert str(tmp_path).encode() not in repo.files[name], name
 
     monkeypatch.chdir(work)
