@@ -184,7 +184,7 @@ class PreemptionWatch:
             if previous is not None:
                 previous[0].wait()
             self._pending = self._exchange()
-            if previous is None or not previous[1].any():
+            if previous is None or not previous[1].numpy().any():  # host memory: no device read
                 return False
             # Every rank saw a signal in the previous exchange, so every rank waits here for the latest one.
             work, decided = self._pending

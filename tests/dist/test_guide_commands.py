@@ -155,7 +155,9 @@ def test_launching(typed: str, home: Path) -> None:
     assert not (run_dir / "checkpoints").exists()
     result = launch([*expand(typed), *TWO_STEPS, *TINY_ACT, "--policy.push_to_hub=false"], home)
     trained(result, run_dir)
-    assert f"({HF_USER}/my_dataset, cache: {home / 'lerobot_home' / HF_USER / 'my_dataset'})" in result.stdout
+    # The repo, the commit its copy records (this hand-made copy records none) and where it was read.
+    assert (f"({HF_USER}/my_dataset (commit unknown), cache: {home / 'lerobot_home' / HF_USER / 'my_dataset'})"
+            in result.stdout)
     assert "topology: DDP: 2 replicas" in result.stdout
 
 

@@ -20,7 +20,7 @@ NOT_YET_CHECKED: set[str] = set()  # every room of the package is checked
 
 # (file, the message expression as written) -> why the text already follows the style.
 WRAPPED = {
-    ("checkpoint/disk.py", "self._message(tmp, f'{free:,} bytes free on its file system', int(short))"):
+    ("checkpoint/disk.py", "self._message(tmp, f'{free:,} bytes free on its file system', short)"):
         "DiskGuard._message renders both disk errors, ending in 'Fix: free space ... or resume into another output_dir'",
     ("checkpoint/disk.py", "self._message(tmp, str(cause), self.needed_bytes)"):
         "DiskGuard._message renders both disk errors, ending in 'Fix: free space ... or resume into another output_dir'",
