@@ -187,7 +187,7 @@ def compile_results(batch_size: int) -> list[BenchResult]:
 
 
 def _composition_worker(rank: int, world_size: int, port: int, dp_shard: int, transformed: bool, batch_size: int,
-                        out) -> None:
+                        ) -> list[float]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -198,13 +198,11 @@ def _composition_worker(rank: int, world_size: int, port: int, dp_shard: int, tr
     stepper, _ = _trainer_pieces(policy_cfg, overrides, dp_shard=dp_shard, rank=rank, world_size=world_size)
     # Each rank its own half of every global batch (as the sampler gives them).
     batches = _batches(policy_cfg, 2 * batch_size, NUM_LOSS_STEPS, seed=2)
-    losses = [
-        stepper.step({key: value[rank * batch_size : (rank + 1) * batch_size] for key, value in batch.items()})
-        .losses["loss"]
+    return [
+        float(stepper.step({key: value[rank * batch_size : (rank + 1) * batch_size] for key, value in batch.items()})
+              .losses["loss"])
         for batch in batches
     ]
-    if rank == 0:
-        out.put(losses)
 
 
 def _composition_losses(dp_shard: int, transformed: bool, batch_size: int) -> list[float]:
