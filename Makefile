@@ -71,8 +71,9 @@ test-fast: setup
 
 # The suite against the newest versions pyproject.toml's ranges allow, in a venv of its own (.venv-latest; .venv
 # keeps the lock's): the same torch as `make setup`, everything else resolved now. It prints what moved since the
-# lock first. Run it to see whether `make lock LOCK_ARGS=--upgrade` is safe.
+# lock first. Run it to see whether `make lock LOCK_ARGS=--upgrade` is safe (LATEST_TESTS: which tests to run).
 LATEST_VENV ?= .venv-latest
+LATEST_TESTS ?= tests
 LATEST_PY := $(LATEST_VENV)/bin/python
 test-latest:
 	test -x $(LATEST_PY) || python3 -m venv $(LATEST_VENV)
@@ -80,7 +81,7 @@ test-latest:
 	$(LATEST_PY) -m pip install --upgrade --upgrade-strategy eager -e ".[sim,dev,trackio]" \
 	    "torch==$$($(LATEST_PY) -c 'import torch; print(torch.__version__)')"
 	$(LATEST_PY) scripts/lock_moved.py $(LOCK)
-	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS) $(PYTEST_ARGS)
 
 # Every benchmark (each prints its figures beside their goals and writes outputs/bench/<script>.json), then
 # docs/benchmarks.md from those files.

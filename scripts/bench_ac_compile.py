@@ -149,7 +149,7 @@ def _timed_losses(policy_cfg: Any, compile_units: bool, batches: list[dict[str, 
     losses, seconds = [], []
     for batch in batches:
         start = time.perf_counter()
-        losses.append(stepper.step(batch).losses["loss"])
+        losses.append(float(stepper.step(batch).losses["loss"]))
         seconds.append(time.perf_counter() - start)
     _reset_accelerate()
     return losses, seconds

@@ -54,6 +54,8 @@ class BenchResult:
     goal_is: GoalIs | None = GoalIs.AT_MOST  # ignored (written as null) without a goal
 
     def __post_init__(self) -> None:
+        # A figure computed from tensors (a loss, a norm) is a 0-d tensor until converted: JSON takes a float.
+        object.__setattr__(self, "value", float(self.value))
         if self.goal is None:
             object.__setattr__(self, "goal_is", None)
 
