@@ -25,7 +25,8 @@ def describe(script: Path) -> str:
     """The first paragraph of a benchmark script's docstring, without its "Benchmark:" prefix."""
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
     first = " ".join(doc.split("\n\n", 1)[0].split())
-    return first.removeprefix("Benchmark:").strip()
+    # reStructuredText's ``literal`` is Markdown's `code`.
+    return first.removeprefix("Benchmark:").strip().replace("``", "`")
 
 
 def number(value: float) -> str:
