@@ -1,8 +1,7 @@
 """What moved since requirements/lock.txt: each package installed here at another version than the lock pins, and
 each one the lock does not pin. `make test-latest` prints it after installing the newest versions pyproject.toml's
-ranges allow, before it runs the tests.
-
-    python scripts/lock_moved.py [requirements/lock.txt]
+ranges allow, before it runs the tests; run by another venv's Python, it compares that venv. Its one argument: the
+lock (default requirements/lock.txt).
 """
 
 from __future__ import annotations
