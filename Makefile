@@ -30,8 +30,8 @@ $(STAMP): pyproject.toml $(LOCK)
 # Re-pin requirements/lock.txt from pyproject.toml's ranges (after changing one; `--upgrade` moves every pin to the
 # newest allowed: make lock LOCK_ARGS=--upgrade). uv resolves for every platform, for Python 3.11, against the CPU
 # build of torch, whose dependencies every build shares (the CUDA build's nvidia-* packages stay out), and leaves
-# torch itself out. TORCH_CPU_SOURCE says where that build is: a folder of wheels, or PyTorch's CPU index
-# (--index https://download.pytorch.org/whl/cpu).
+# torch itself out. TORCH_CPU_SOURCE says where that build is: a folder of wheels (the default: where the CI
+# machines keep it), or PyTorch's CPU index (--index https://download.pytorch.org/whl/cpu).
 UV_VERSION ?= 0.13.9
 TOOLS_VENV ?= .venv-tools
 TORCH_CPU_SOURCE ?= --find-links /opt/wheels
