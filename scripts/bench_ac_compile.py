@@ -12,7 +12,8 @@ batches are random, normalised-looking, with per-sample seeds.
    MemTracker: peak activation + temporary bytes. Goal: checkpointing at most half of it.
 2. compile: one process, ACT (dim_model 256) and Diffusion (aloha_diffusion's U-Net, 16.6M parameters): the first
    compiled step's extra time (the compile), the median step time eager and compiled, and the largest relative
-   loss difference over 20 steps (goal <= 1e-4). CPU inductor compiles C++ with the system's g++.
+   loss difference over 20 steps (goal <= 1e-4). CPU inductor compiles C++ with the system's g++. torch's compile
+   caches are off, so the compile time is that of a first run, not of whatever an earlier run left on disk.
 3. composition: the pusht_debug_diffusion U-Net on DDP-2 and on FSDP-2 (units by size), 20 steps compiled and
    with activation checkpointing against the same 20 steps eager (2 spawned processes each, gloo): the largest
    relative loss difference (goal <= 1e-4).
@@ -160,6 +161,7 @@ def _max_relative_difference(values: list[float], reference: list[float]) -> flo
 
 
 def compile_results(batch_size: int) -> list[BenchResult]:
+    torch.compiler.config.force_disable_caches = True
     results = []
     for name, policy_cfg in _policy_configs("compile").items():
         batches = _batches(policy_cfg, batch_size, NUM_LOSS_STEPS, seed=1)
