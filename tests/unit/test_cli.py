@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint.convert import ConvertArgs
 from lerobot_mg.cli import LEROBOT_TRAIN_KEYS, help_text, lerobot_train_argv, parse, plain_text, run
+from lerobot_mg.config import register_configs
+from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.scripts_entry import CompareArgs, compare_runs
@@ -166,6 +169,16 @@ def test_lerobot_train_names_are_read_as_ours_in_both_spellings() -> None:
     assert lerobot_train_argv(argv) == [
         "eval.freq=500", "checkpoint.save_checkpoint=false", "checkpoint.save_freq=250", "logging.wandb.mode=disabled",
         "logging.wandb.project=p", "logging.wandb.entity=team", "--steps=10", "experiment=pusht_debug", "-m"]
+
+
+def test_lerobot_train_names_compose_into_the_run_config() -> None:
+    argv = ["experiment=pusht_debug", "--eval_freq=4", "--save_checkpoint=false", "--save_freq=2",
+            "--wandb.mode=disabled", "--steps=8"]
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_train_config(compose(config_name="train", overrides=normalize_argv(lerobot_train_argv(argv))))
+    assert (cfg.eval.freq, cfg.checkpoint.save_checkpoint, cfg.checkpoint.save_freq, cfg.steps) == (4, False, 2, 8)
+    assert cfg.logging.wandb.mode.value == "disabled"
 
 
 def test_every_lerobot_train_name_reads_as_a_key_of_the_schema() -> None:
