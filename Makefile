@@ -7,18 +7,40 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup train train-image train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
+.PHONY: setup lock test-latest train train-image train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
-# torch first, then the package (whose own `torch>=2.6` is then satisfied). From PyPI on Linux
-# `pip install torch==2.13.0` is the CUDA build, which a GPU machine wants; on a CPU-only machine install the CPU
-# build first (a torch already in the venv is kept):
+# The versions CI tested, pinned with hashes (make lock writes it): every package but torch, extras included.
+LOCK := requirements/lock.txt
+# torch, installed first and by itself: `pip install torch==2.13.0` takes the CUDA build from PyPI on Linux (what a
+# GPU machine wants) and keeps a torch already in the venv. For the CPU build on a CPU-only machine, put it in first:
 #   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+TORCH_VERSION ?= 2.13.0
+
+# torch, then exactly the lock (--no-deps: nothing is resolved, so nothing newer and no other torch comes in), then
+# this package in editable mode, built with the lock's setuptools; pip check then confirms the set is consistent.
 setup: $(STAMP)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[sim,dev,trackio]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==$(TORCH_VERSION)
+	$(PY) -m pip install --no-deps --require-hashes -r $(LOCK)
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# Re-pin requirements/lock.txt from pyproject.toml's ranges (after changing one; `--upgrade` moves every pin to the
+# newest allowed: make lock LOCK_ARGS=--upgrade). uv resolves for every platform, for Python 3.11, against the CPU
+# build of torch, whose dependencies every build shares (the CUDA build's nvidia-* packages stay out), and leaves
+# torch itself out. TORCH_CPU_SOURCE says where that build is: a folder of wheels (the default: where the CI
+# machines keep it), or PyTorch's CPU index (--index https://download.pytorch.org/whl/cpu).
+UV_VERSION ?= 0.13.9
+TOOLS_VENV ?= .venv-tools
+TORCH_CPU_SOURCE ?= --find-links /opt/wheels
+LOCK_ARGS ?=
+lock:
+	test -x $(TOOLS_VENV)/bin/uv || { python3 -m venv $(TOOLS_VENV) && $(TOOLS_VENV)/bin/pip install uv==$(UV_VERSION); }
+	$(TOOLS_VENV)/bin/uv pip compile pyproject.toml --extra sim --extra dev --extra trackio --universal \
+	    --python-version 3.11 --generate-hashes --no-emit-package torch --override <(echo torch==$(TORCH_VERSION)+cpu) \
+	    $(TORCH_CPU_SOURCE) --custom-compile-command "make lock" --quiet $(LOCK_ARGS) -o $(LOCK)
 
 # The main job: generate the embedded ALOHA transfer-cube demos once (cached), train a state-only ACT
 # (experiment=aloha_state), evaluate it in simulation. About 7 minutes on 2 CPU cores, demos included.
@@ -46,6 +68,20 @@ test: setup
 # One-process tests only (no torchrun, no simulation).
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
+
+# The suite against the newest versions pyproject.toml's ranges allow, in a venv of its own (.venv-latest; .venv
+# keeps the lock's): the same torch as `make setup`, everything else resolved now. It prints what moved since the
+# lock first. Run it to see whether `make lock LOCK_ARGS=--upgrade` is safe (LATEST_TESTS: which tests to run).
+LATEST_VENV ?= .venv-latest
+LATEST_TESTS ?= tests
+LATEST_PY := $(LATEST_VENV)/bin/python
+test-latest:
+	test -x $(LATEST_PY) || python3 -m venv $(LATEST_VENV)
+	$(LATEST_PY) -c "import torch" 2>/dev/null || $(LATEST_PY) -m pip install torch==$(TORCH_VERSION)
+	$(LATEST_PY) -m pip install --upgrade --upgrade-strategy eager -e ".[sim,dev,trackio]" \
+	    "torch==$$($(LATEST_PY) -c 'import torch; print(torch.__version__)')"
+	$(LATEST_PY) scripts/lock_moved.py $(LOCK)
+	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS) $(PYTEST_ARGS)
 
 # Every benchmark (each prints its figures beside their goals and writes outputs/bench/<script>.json), then
 # docs/benchmarks.md from those files.

@@ -1,7 +1,10 @@
 """One argument style for every console command besides training: ``key=value`` (Hydra's spelling) and
 ``--key=value`` (LeRobot's), read into the command's argument dataclass.
 
-``lerobot-mg-train`` composes with Hydra, which takes both spellings too (``config/loading.normalize_argv``).
+``lerobot-mg-train`` composes with Hydra, which takes both spellings too (``config/loading.normalize_argv``);
+``lerobot_train_argv`` reads lerobot-train's names of the keys that are named differently here (``--eval_freq``,
+``--save_checkpoint``, ``--wandb.mode``, ...) as ours, and refuses, naming the setting to type, LeRobot's switches
+that have no key here (``--wandb.enable``).
 Here a dataclass field is a key: its type converts the value (``true``/``false`` for flags, ``[a,b]`` or ``a,b``
 for lists, ``null`` for an optional value) and ``metadata={"help": ...}`` documents it in ``--help``. The
 spellings of argparse days still work: ``--key value``, ``--key a b`` for a list, a bare ``--flag``, dashes for
@@ -21,10 +24,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lerobot_mg.errors import ConfigError
+from lerobot_mg.errors import ConfigError, config_error
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+# lerobot-train's (LeRobot 0.6) names of keys that are named differently here, read as ours in either spelling
+# (``--eval_freq=5`` or ``eval_freq=5``). eval_freq=0 evaluates at the last step only here (LeRobot: never); with
+# nothing to evaluate (no eval.n_episodes, no dataset.val_episodes) no step evaluates.
+LEROBOT_TRAIN_KEYS = {
+    "eval_freq": "eval.freq",
+    "save_checkpoint": "checkpoint.save_checkpoint",
+    "save_freq": "checkpoint.save_freq",
+    "wandb.mode": "logging.wandb.mode",
+    "wandb.project": "logging.wandb.project",
+    "wandb.entity": "logging.wandb.entity",
+}
+# LeRobot's wandb.enable has no key here: wandb always runs, as logging.wandb.mode says (offline by default, written
+# on this machine and uploaded by nobody). Refused, naming the mode that does what LeRobot's value did: its enabled
+# wandb logs online (its default mode), a disabled one logs nothing.
+_WANDB_ENABLE = "wandb.enable"
+_WANDB_MODE_OF_ENABLE = {True: "online", False: "disabled"}
 # ``literal`` (reStructuredText), `code` (Markdown) and :role:`target` (Sphinx) in a docstring.
 _MARKUP = re.compile(r"(?::\w+:)?(``?)([^`]+?)\1")
 
@@ -45,6 +64,26 @@ def run(args_type: type[T], body: Callable[[T], int | None], prog: str, doc: str
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
+
+
+def lerobot_train_argv(argv: Sequence[str]) -> list[str]:
+    """The training command line with lerobot-train's names of keys (``LEROBOT_TRAIN_KEYS``) written as ours
+    (``key=value``, Hydra's spelling); every other argument as it was. Raises ``ConfigError`` for LeRobot's
+    ``wandb.enable``, naming the ``logging.wandb.mode`` that does what its value did."""
+    out = []
+    for arg in argv:
+        key, equals, value = arg.removeprefix("--").partition("=")
+        if key == _WANDB_ENABLE and (equals or arg.startswith("--")):
+            enabled = (value or "true").lower() not in _FALSE
+            mode = _WANDB_MODE_OF_ENABLE[enabled]
+            raise config_error(
+                _WANDB_ENABLE, value or "true",
+                "is LeRobot's switch: here wandb always runs as logging.wandb.mode says (offline by default: written "
+                "on this machine, uploaded by nobody)",
+                f"logging.wandb.mode={mode} (what LeRobot's wandb.enable={str(enabled).lower()} does)",
+            )
+        out.append(f"{LEROBOT_TRAIN_KEYS[key]}={value}" if equals and key in LEROBOT_TRAIN_KEYS else arg)
+    return out
 
 
 def parse(args_type: type[T], argv: Sequence[str]) -> T:

@@ -12,7 +12,8 @@ batches are random, normalised-looking, with per-sample seeds.
    MemTracker: peak activation + temporary bytes. Goal: checkpointing at most half of it.
 2. compile: one process, ACT (dim_model 256) and Diffusion (aloha_diffusion's U-Net, 16.6M parameters): the first
    compiled step's extra time (the compile), the median step time eager and compiled, and the largest relative
-   loss difference over 20 steps (goal <= 1e-4). CPU inductor compiles C++ with the system's g++.
+   loss difference over 20 steps (goal <= 1e-4). CPU inductor compiles C++ with the system's g++. torch's compile
+   caches are off, so the compile time is that of a first run, not of whatever an earlier run left on disk.
 3. composition: the pusht_debug_diffusion U-Net on DDP-2 and on FSDP-2 (units by size), 20 steps compiled and
    with activation checkpointing against the same 20 steps eager (2 spawned processes each, gloo): the largest
    relative loss difference (goal <= 1e-4).
@@ -149,7 +150,7 @@ def _timed_losses(policy_cfg: Any, compile_units: bool, batches: list[dict[str, 
     losses, seconds = [], []
     for batch in batches:
         start = time.perf_counter()
-        losses.append(stepper.step(batch).losses["loss"])
+        losses.append(float(stepper.step(batch).losses["loss"]))
         seconds.append(time.perf_counter() - start)
     _reset_accelerate()
     return losses, seconds
@@ -160,6 +161,7 @@ def _max_relative_difference(values: list[float], reference: list[float]) -> flo
 
 
 def compile_results(batch_size: int) -> list[BenchResult]:
+    torch.compiler.config.force_disable_caches = True
     results = []
     for name, policy_cfg in _policy_configs("compile").items():
         batches = _batches(policy_cfg, batch_size, NUM_LOSS_STEPS, seed=1)
@@ -187,7 +189,7 @@ def compile_results(batch_size: int) -> list[BenchResult]:
 
 
 def _composition_worker(rank: int, world_size: int, port: int, dp_shard: int, transformed: bool, batch_size: int,
-                        out) -> None:
+                        ) -> list[float]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -198,13 +200,11 @@ def _composition_worker(rank: int, world_size: int, port: int, dp_shard: int, tr
     stepper, _ = _trainer_pieces(policy_cfg, overrides, dp_shard=dp_shard, rank=rank, world_size=world_size)
     # Each rank its own half of every global batch (as the sampler gives them).
     batches = _batches(policy_cfg, 2 * batch_size, NUM_LOSS_STEPS, seed=2)
-    losses = [
-        stepper.step({key: value[rank * batch_size : (rank + 1) * batch_size] for key, value in batch.items()})
-        .losses["loss"]
+    return [
+        float(stepper.step({key: value[rank * batch_size : (rank + 1) * batch_size] for key, value in batch.items()})
+              .losses["loss"])
         for batch in batches
     ]
-    if rank == 0:
-        out.put(losses)
 
 
 def _composition_losses(dp_shard: int, transformed: bool, batch_size: int) -> list[float]:

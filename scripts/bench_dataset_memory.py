@@ -62,7 +62,7 @@ def _open(root: Path, rank: int, world_size: int):  # noqa: ANN202 (the dataset 
     return dataset, sampler
 
 
-def _rank(rank: int, world_size: int, port: int, root: Path, batches: int, out) -> None:  # noqa: ANN001
+def _rank(rank: int, world_size: int, port: int, root: Path, batches: int) -> list[dict[str, float]]:
     import lerobot_mg.data  # noqa: F401 (the empty import the private memory is measured from)
 
     base = _private_bytes()
@@ -93,8 +93,7 @@ def _rank(rank: int, world_size: int, port: int, root: Path, batches: int, out) 
     records = [None] * world_size
     dist.all_gather_object(records, record)
     dist.destroy_process_group()
-    if rank == 0:
-        out.put(records)
+    return records
 
 
 def _build_cache(root: Path) -> float:

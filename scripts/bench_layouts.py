@@ -77,8 +77,8 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _memory_worker(rank: int, world_size: int, port: int, shard: bool, policy_name: str, args: argparse.Namespace,
-                   out) -> None:
+def _memory_worker(rank: int, world_size: int, port: int, shard: bool, policy_name: str,
+                   args: argparse.Namespace) -> dict[str, int]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -111,9 +111,8 @@ def _memory_worker(rank: int, world_size: int, port: int, shard: bool, policy_na
         _local_bytes(v) for state in optimizer.optimizer.state.values() for v in state.values()
         if isinstance(v, torch.Tensor)
     )
-    if rank == 0:
-        out.put({"params": param_bytes, "grads": grad_bytes, "optim": optim_bytes,
-                 "num_params": sum(p.numel() for p in policy.parameters())})
+    return {"params": param_bytes, "grads": grad_bytes, "optim": optim_bytes,
+            "num_params": sum(p.numel() for p in policy.parameters())}
 
 
 def _measure_memory(shard: bool, policy_name: str, args: argparse.Namespace) -> dict:

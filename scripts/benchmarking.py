@@ -1,19 +1,28 @@
 """What the benchmark scripts (scripts/bench_*.py) share: figures printed with their goal beside them and
-written to ``outputs/bench/<script>.json`` as a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a
-bound the value is meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a
-figure reported without a goal), and a launcher for measurements on 2 gloo ranks."""
+written to ``outputs/bench/<script>.json`` as ``{"machine": {...}, "results": [...]}``: the machine the figures were
+measured on (CPU model, usable cores, memory, GPU, operating system, Python, torch and accelerate versions, load
+average when written) and a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the value is
+meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported without a
+goal); and a launcher for measurements on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import pickle
+import platform
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
+from importlib.metadata import version
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -45,6 +54,8 @@ class BenchResult:
     goal_is: GoalIs | None = GoalIs.AT_MOST  # ignored (written as null) without a goal
 
     def __post_init__(self) -> None:
+        # A figure computed from tensors (a loss, a norm) is a 0-d tensor until converted: JSON takes a float.
+        object.__setattr__(self, "value", float(self.value))
         if self.goal is None:
             object.__setattr__(self, "goal_is", None)
 
@@ -60,30 +71,65 @@ class BenchResult:
         return f"{self.name} = {value} {self.unit}{verdict}"
 
 
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The machine figures are measured on, as docs/benchmarks.md shows it beside them."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+    return {
+        "cpu": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "gpus": gpus,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": version("accelerate"),
+        # Other work on the machine slows every figure: the 1, 5 and 15 minute load averages when the figures
+        # were written say how busy it was.
+        "load_average": list(os.getloadavg()),
+    }
+
+
 def report(bench: str, results: list[BenchResult], directory: Path = BENCH_DIR) -> Path:
-    """Print every result with its goal and write them all to ``<directory>/<bench>.json``."""
+    """Print every result with its goal and write them all, with the machine, to ``<directory>/<bench>.json``."""
     for result in results:
         print(result.line(), flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{bench}.json"
-    path.write_text(json.dumps([asdict(result) for result in results], indent=2) + "\n")
+    document = {"machine": machine(), "results": [asdict(result) for result in results]}
+    path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}", flush=True)
     return path
 
 
-def _run_then_release(worker: Callable[..., None], *args: Any) -> None:
+def _run_then_release(worker: Callable[..., Any], rank: int, world_size: int, port: int, *args: Any) -> None:
+    *worker_args, queue = args
+    result = worker(rank, world_size, port, *worker_args)
     # The worker's model (DDP's C++ reducer) must be freed while the process groups live: a reducer that drops
     # the last reference to a gloo group can deadlock the exit (see lerobot_mg/launch/run_state.py).
-    worker(*args)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if rank == 0:
+        # As bytes, pickled by value: torch's multiprocessing pickler would send a tensor as a handle to this
+        # process's shared memory, gone once the process exits, before the parent may have read it.
+        queue.put(pickle.dumps(result))
 
 
-def run_on_ranks(worker: Callable[..., None], args: tuple[Any, ...], world_size: int = 2,
+def run_on_ranks(worker: Callable[..., Any], args: tuple[Any, ...], world_size: int = 2,
                  timeout: float = 1800) -> Any:
-    """Spawn ``worker(rank, world_size, port, *args, queue)`` on every rank and return what rank 0 puts in the
-    queue (the worker sets up its own process group from the port)."""
+    """Spawn ``worker(rank, world_size, port, *args)`` on every rank and return what it returned on rank 0 (any
+    picklable value; tensors come back by value). The worker sets up its own process group from the port."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     with socket.socket() as sock:
@@ -93,7 +139,20 @@ def run_on_ranks(worker: Callable[..., None], args: tuple[Any, ...], world_size:
                  for rank in range(world_size)]
     for process in processes:
         process.start()
-    result = queue.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = pickle.loads(queue.get(timeout=1))
+            break
+        except Empty:
+            failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"benchmark ranks: exit codes {[p.exitcode for p in processes]}, no result "
+                                   f"within {timeout:.0f} s" if not failed else
+                                   f"a benchmark rank failed (exit codes {[p.exitcode for p in processes]}): its "
+                                   "traceback is above") from None
     for process in processes:
         process.join(timeout=120)
     return result

@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from lerobot_mg.checkpoint import convert
 from lerobot_mg.checkpoint.convert import ConvertArgs
-from lerobot_mg.cli import help_text, parse, plain_text, run
+from lerobot_mg.cli import LEROBOT_TRAIN_KEYS, help_text, lerobot_train_argv, parse, plain_text, run
+from lerobot_mg.config import register_configs
+from lerobot_mg.config.loading import CONF_DIR, normalize_argv, to_train_config
+from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.scripts_entry import CompareArgs, compare_runs
 from lerobot_mg.sim.cli import EvalArgs, MakeDatasetArgs, eval_main, make_dataset_main
@@ -153,3 +158,44 @@ def test_train_help_names_the_command_its_quick_start_and_only_the_real_presets(
                        for group in groups]
     assert "policy: act, diffusion" in presets  # not the ConfigStore's act_schema and diffusion_schema
     assert "\n== Config (key=value; the values this command line composes) ==\nparallelism:\n" in out
+
+
+# --- lerobot-train's names of keys named differently here ------------------------------------------------------
+
+
+def test_lerobot_train_names_are_read_as_ours_in_both_spellings() -> None:
+    argv = ["--eval_freq=500", "save_checkpoint=false", "--save_freq=250", "--wandb.mode=disabled",
+            "--wandb.project=p", "wandb.entity=team", "--steps=10", "experiment=pusht_debug", "-m"]
+    assert lerobot_train_argv(argv) == [
+        "eval.freq=500", "checkpoint.save_checkpoint=false", "checkpoint.save_freq=250", "logging.wandb.mode=disabled",
+        "logging.wandb.project=p", "logging.wandb.entity=team", "--steps=10", "experiment=pusht_debug", "-m"]
+
+
+def test_lerobot_train_names_compose_into_the_run_config() -> None:
+    argv = ["experiment=pusht_debug", "--eval_freq=4", "--save_checkpoint=false", "--save_freq=2",
+            "--wandb.mode=disabled", "--steps=8"]
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_train_config(compose(config_name="train", overrides=normalize_argv(lerobot_train_argv(argv))))
+    assert (cfg.eval.freq, cfg.checkpoint.save_checkpoint, cfg.checkpoint.save_freq, cfg.steps) == (4, False, 2, 8)
+    assert cfg.logging.wandb.mode.value == "disabled"
+
+
+def test_every_lerobot_train_name_reads_as_a_key_of_the_schema() -> None:
+    schema = OmegaConf.structured(TrainConfig)
+    for lerobot_key, ours in LEROBOT_TRAIN_KEYS.items():
+        assert OmegaConf.select(schema, ours, default=KeyError) is not KeyError, (lerobot_key, ours)
+        assert OmegaConf.select(schema, lerobot_key, default=KeyError) is KeyError, lerobot_key  # not ours too
+
+
+@pytest.mark.parametrize(
+    ("arg", "mode"),
+    [("--wandb.enable=true", "online"), ("--wandb.enable", "online"), ("wandb.enable=True", "online"),
+     ("--wandb.enable=false", "disabled")],
+)
+def test_lerobot_wandb_enable_is_refused_naming_the_mode_that_does_what_it_did(arg: str, mode: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        lerobot_train_argv(["experiment=pusht_debug", arg])
+    message = str(error.value)
+    assert message.startswith("wandb.enable=") and f". Fix: logging.wandb.mode={mode} (" in message
+    assert "\n" not in message

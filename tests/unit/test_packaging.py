@@ -21,12 +21,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, clean_env, kill_tree
 
 # What the build reads: the project metadata (its readme included), the package and conf/.
 BUILD_INPUTS = ("pyproject.toml", "README.md", "lerobot_mg", "conf")
 PLUGINS = REPO / "lerobot_mg" / "launch" / "plugins"
+LOCK = REPO / "requirements" / "lock.txt"
+# The packages only a CUDA build of torch needs: the lock is installed beside either build, so it holds none of them.
+CUDA_ONLY = re.compile(r"^(nvidia-|cuda-|triton$)")
 
 
 def _run(argv: list[str | Path], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -132,3 +139,42 @@ def test_importing_the_config_does_not_import_the_models_torch_pyarrow_or_pyav()
                    | {name for name in modules if re.match(r"lerobot_mg\.policies\..*modeling", name)})
     ours = [name for name in modules if name.startswith("lerobot_mg")]
     assert not heavy, f"import lerobot_mg.config imports {heavy}, through the lerobot_mg modules {ours}"
+
+
+def _lock_pins() -> dict[str, tuple[Version, int]]:
+    """requirements/lock.txt as {canonical name: (pinned version, number of hashes)}."""
+    pins: dict[str, tuple[Version, int]] = {}
+    name = None
+    for line in LOCK.read_text().splitlines():
+        pinned = re.match(r"^([A-Za-z0-9_.-]+)==([^ ;\\]+)", line)
+        if pinned:
+            name = canonicalize_name(pinned[1])
+            pins[name] = (Version(pinned[2]), 0)
+        elif name is not None and line.strip().startswith("--hash=sha256:"):
+            pins[name] = (pins[name][0], pins[name][1] + 1)
+    return pins
+
+
+def _makefile_variable(name: str) -> str:
+    (value,) = re.findall(rf"^{name} \?= (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    return value
+
+
+def test_the_lock_pins_every_requirement_within_its_range_with_hashes_and_leaves_torch_out() -> None:
+    """What `make setup` installs (pip --no-deps --require-hashes): a pin with hashes for every dependency and
+    extra of pyproject.toml, inside its range (a range changed without `make lock` fails here), no torch and
+    nothing only the CUDA build of torch needs; the Makefile's torch is inside torch's range."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = [Requirement(text) for text in
+                    [*project["dependencies"], *(text for extra in ("sim", "dev", "trackio") for text in extras[extra])]]
+    pins = _lock_pins()
+    assert len(pins) > len(requirements)  # their dependencies too
+    outside = {str(req): pins.get(canonicalize_name(req.name)) for req in requirements if req.name != "torch"
+               and (canonicalize_name(req.name) not in pins
+                    or not req.specifier.contains(pins[canonicalize_name(req.name)][0], prereleases=True))}
+    assert not outside, f"requirements/lock.txt does not pin these within their range (run make lock): {outside}"
+    assert not [name for name, (_, hashes) in pins.items() if hashes == 0]
+    assert not [name for name in pins if name == "torch" or CUDA_ONLY.match(name)]
+    (torch_requirement,) = [req for req in requirements if req.name == "torch"]
+    assert Version(_makefile_variable("TORCH_VERSION")) in torch_requirement.specifier
