@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lerobot_mg.cli import lerobot_train_argv
 from lerobot_mg.errors import ConfigError, report_user_error
 
 logger = logging.getLogger("lerobot_mg.train")
@@ -48,8 +49,9 @@ def train() -> None:
 
     gc.freeze()
     gc.enable()
-    sys.argv = [sys.argv[0], *normalize_argv(sys.argv[1:])]
     try:  # before Hydra composes: it would list the presets (or the allowed words) over several lines and exit 1
+        # lerobot-train's names of keys named differently here (--eval_freq, --save_checkpoint, ...) as ours.
+        sys.argv = [sys.argv[0], *normalize_argv(lerobot_train_argv(sys.argv[1:]))]
         check_presets(sys.argv[1:])
         check_choices(sys.argv[1:])
     except ConfigError as error:

@@ -199,3 +199,14 @@ def test_lerobot_wandb_enable_is_refused_naming_the_mode_that_does_what_it_did(a
     message = str(error.value)
     assert message.startswith("wandb.enable=") and f". Fix: logging.wandb.mode={mode} (" in message
     assert "\n" not in message
+
+
+def test_the_training_command_refuses_lerobots_wandb_enable_in_one_line() -> None:
+    """Through the real entry point: exit 2 and our one line, not Hydra's struct error over several lines."""
+    proc = subprocess.run([PYTHON, str(TRAIN_SCRIPT), "experiment=pusht_debug", "--wandb.enable=false"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "lerobot-mg-train: error: wandb.enable='false': is LeRobot's switch: here wandb always runs as "
+        "logging.wandb.mode says (offline by default: written on this machine, uploaded by nobody). Fix: "
+        "logging.wandb.mode=disabled (what LeRobot's wandb.enable=false does)"]

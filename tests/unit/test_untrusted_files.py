@@ -12,7 +12,7 @@
 - Our DCP writer pickles no pathlib class, and a .metadata pickled as Python 3.13 writes one (``pathlib._local``)
   loads on any Python the project claims.
 
-Core dependencies only (torch, safetensors, omegaconf, ...): CI runs this file under Python 3.13 too.
+Core dependencies only (torch, safetensors, omegaconf, ...), so the file runs on any Python the project claims.
 """
 
 from __future__ import annotations
