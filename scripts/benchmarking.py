@@ -1,9 +1,9 @@
 """What the benchmark scripts (scripts/bench_*.py) share: figures printed with their goal beside them and
 written to ``outputs/bench/<script>.json`` as ``{"machine": {...}, "results": [...]}``: the machine the figures were
-measured on (CPU model, usable cores, memory, GPU, operating system, Python, torch and accelerate versions, load
-average when written) and a list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the value is
-meant to stay within, ``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported without a
-goal); and a launcher for measurements on 2 gloo ranks."""
+measured on (CPU model, usable cores, memory, GPU, operating system, Python, torch and accelerate versions) and a
+list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the value is meant to stay within,
+``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported without a goal); and a launcher
+for measurements on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -94,9 +94,6 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "accelerate": version("accelerate"),
-        # Other work on the machine slows every figure: the 1, 5 and 15 minute load averages when the figures
-        # were written say how busy it was.
-        "load_average": list(os.getloadavg()),
     }
 
 
