@@ -41,8 +41,8 @@ def _hub_blobs(root: Path) -> Path | None:
     return None
 
 
-def _problem(root: Path, stored: object) -> str | None:
-    """Why ``stored`` is no relative path inside ``root``, read as text only (nothing on disk), or None."""
+def _problem(stored: object) -> str | None:
+    """Why ``stored`` is no relative path that stays in its folder, read as text only (nothing on disk), or None."""
     if not isinstance(stored, str) or not stored:
         return "is not a relative file path"
     if "\0" in stored:
@@ -63,7 +63,7 @@ def contained(root: Path | str, stored: object, source: Path | str, key: str,
     A path that exists nowhere yet is returned as it is: the caller reports a missing file in its own words.
     Raises :class:`UnsafePath`, naming ``source``, ``key`` and ``stored``, otherwise."""
     root = Path(root)
-    problem = _problem(root, stored)
+    problem = _problem(stored)
     path = root / str(stored)
     if problem is None:
         real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))

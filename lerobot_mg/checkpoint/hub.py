@@ -129,12 +129,12 @@ def push_pretrained(pretrained_dir: Path, repo_id: str, commit_message: str, key
             f"(lerobot-mg-convert-dcp checkpoint_dir={pretrained_dir}), then push_to_hub"
         )
     settings = settings or RepoSettings.of_pretrained(pretrained_dir)
-    card_path = pretrained_dir / MODEL_CARD
-    card_path.write_text(settings.card(card_path.read_text() if card_path.is_file() else None, repo_id))
-    files = hub_upload_files(pretrained_dir)
     step_dir = pretrained_dir.parent if pretrained_dir.name == L.PRETRAINED_MODEL_DIR else pretrained_dir
     later = f"upload it later with {upload_later_command(step_dir, repo_id)}"
-    try:
+    try:  # the card first, so that the folder and the repo hold the same one (a read-only folder fails here)
+        card_path = pretrained_dir / MODEL_CARD
+        card_path.write_text(settings.card(card_path.read_text() if card_path.is_file() else None, repo_id))
+        files = hub_upload_files(pretrained_dir)
         api = HfApi()
         api.create_repo(repo_id, repo_type="model", private=settings.private, exist_ok=True)
         refused_public = bool(settings.private) and not api.model_info(repo_id).private

@@ -23,7 +23,6 @@ loaded from (``POLICY_FILES``).
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import re
@@ -78,14 +77,6 @@ class DatasetSource:
     how: str = "root"  # root (dataset.root as given) | cache (LeRobot's cache) | download (fetched by this start)
 
 
-class RevisionMatch(enum.Enum):
-    """A local copy against the revision a run asks for."""
-
-    SAME = "same"  # the copy is that revision (or none was asked for)
-    OTHER = "other"  # the copy is another commit, or mixes files of several
-    UNKNOWN = "unknown"  # the copy records no commit, or files changed since; or a branch/tag offline cannot tell
-
-
 @dataclass(frozen=True)
 class LocalCopy:
     """What a directory records of the Hub commit its files came from."""
@@ -138,21 +129,19 @@ class LocalCopy:
         return revision is None or (self.commit is not None and _COMMIT.match(revision.lower()) is not None
                                     and self.commit.startswith(revision.lower()))
 
-    def match(self, revision: str | None, resolved: str | None = None) -> RevisionMatch:
-        """This copy against ``revision`` (a branch, tag or commit; None: any); ``resolved``: the commit the Hub says
-        ``revision`` names now, when it could be asked."""
+    def holds(self, revision: str | None, resolved: str | None = None) -> bool:
+        """This copy is ``revision`` (a branch, tag or commit; None: any); ``resolved``: the commit the Hub says
+        ``revision`` names now, when it could be asked. :meth:`describe` says what the copy is otherwise."""
         if revision is None:
-            return RevisionMatch.SAME
+            return True
         if self.commit is None:
-            return RevisionMatch.OTHER if len(self.commits) > 1 and not self.modified else RevisionMatch.UNKNOWN
+            return False
         if resolved is not None:
-            return RevisionMatch.SAME if resolved == self.commit else RevisionMatch.OTHER
+            return resolved == self.commit
         wanted = revision.lower()
-        if _COMMIT.match(wanted) and self.commit.startswith(wanted):
-            return RevisionMatch.SAME
-        if revision == self.asked and self.commit == self.downloaded:
-            return RevisionMatch.SAME  # the branch or tag this copy was downloaded for (what it named then)
-        return RevisionMatch.OTHER if len(wanted) == 40 and _COMMIT.match(wanted) else RevisionMatch.UNKNOWN
+        # A commit spelled in full or shortened, or the branch or tag this copy was downloaded for (what it named then).
+        return bool(_COMMIT.match(wanted) and self.commit.startswith(wanted)) or (
+            revision == self.asked and self.commit == self.downloaded)
 
 
 def hub_offline(env: Mapping[str, str] | None = None) -> bool:
@@ -225,7 +214,7 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
         copy = LocalCopy.read(local_dir)
         if not offline and not copy.pinned(cfg.revision):  # a branch or tag: which commit it names now
             resolved = _resolve_revision(cfg.repo_id, cfg.revision)
-        if copy.match(cfg.revision, resolved) is RevisionMatch.SAME:
+        if copy.holds(cfg.revision, resolved):
             return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, copy.commit, "cache")
         if offline:
             raise _another_revision(cfg, local_dir, copy)
@@ -240,7 +229,7 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
     with FileLock(f"{local_dir}.lock"):  # one download per node; the other ranks wait here, then find it
         if _is_complete(local_dir):  # another rank's download, finished while this one waited
             copy = LocalCopy.read(local_dir)
-            if copy.match(cfg.revision, resolved) is RevisionMatch.SAME:
+            if copy.holds(cfg.revision, resolved):
                 return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, copy.commit, "cache")
         commit = download_dataset(cfg.repo_id, cfg.revision, local_dir)
     return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, commit, "download")
@@ -263,7 +252,7 @@ def _given_root(cfg: DatasetConfig, env: Mapping[str, str] | None) -> DatasetSou
     resolved = None
     if cfg.repo_id is not None and not hub_offline(env) and copy.commit is not None and not copy.pinned(cfg.revision):
         resolved = _resolve_revision(cfg.repo_id, cfg.revision)
-    if copy.match(cfg.revision, resolved) is not RevisionMatch.SAME:
+    if not copy.holds(cfg.revision, resolved):
         raise config_error(
             "dataset.revision", cfg.revision,
             f"dataset.root={cfg.root} holds {copy.describe()}, not that revision, and a given dataset.root is "
