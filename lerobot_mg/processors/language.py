@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lerobot_mg.errors import config_error
 from lerobot_mg.processors.pipeline import ProcessorStep, register_step
 from lerobot_mg.processors.tokenizer_source import resolve_tokenizer
 
@@ -141,6 +142,11 @@ class TokenizerStep(ProcessorStep):
 
     @classmethod
     def from_config(cls, config: dict[str, Any], state: dict[str, Tensor]) -> TokenizerStep:
+        if not config.get("tokenizer_name"):  # LeRobot saves none for a step it was handed a tokenizer object
+            raise config_error(f"{cls.registry_name}.config.tokenizer_name", None, "is not saved, so the tokenizer "
+                               "the policy was trained with is unknown", f"add \"tokenizer_name\": \"<its directory "
+                               f"or Hub repo id>\" to the {cls.registry_name} step's config in "
+                               "policy_preprocessor.json")
         return cls(config["tokenizer_name"], config.get("max_length", 512), config.get("task_key", TASK_KEY),
                    config.get("padding_side", "right"), config.get("padding", "max_length"),
                    config.get("truncation", True))

@@ -31,10 +31,10 @@ from lerobot_mg.errors import config_error
 
 # The tokenizer LeRobot 0.6.1's pi0 and pi0.5 preprocessors load (processor_pi0.py, processor_pi05.py).
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
-# The files transformers' AutoTokenizer reads from a repo (fast tokenizer, its configuration and special tokens,
-# the sentencepiece or BPE files of a repo without tokenizer.json, the model config it may read the class from).
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                   "config.json")
+# The files transformers' AutoTokenizer reads from a repo, and no weights: tokenizer.json / tokenizer.model /
+# tokenizer_config.json, the small JSON files (special and added tokens, a BPE vocabulary, the model config it may
+# read the tokenizer's class from) and a BPE merges file.
+TOKENIZER_FILES = ("tokenizer*", "*.json", "merges.txt")
 # Repos whose files download only after the account accepted a licence on the repo's page.
 GATED_PREFIXES = ("google/paligemma",)
 PREPROCESSOR_JSON = "policy_preprocessor.json"
