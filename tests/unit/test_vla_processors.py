@@ -21,7 +21,9 @@ import huggingface_hub
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 
+from lerobot_mg.data import LeRobotDataset
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.processors import (
     NormalizerStep,
@@ -38,6 +40,7 @@ from lerobot_mg.processors import (
 from lerobot_mg.processors.language import LANGUAGE_ATTENTION_MASK, LANGUAGE_TOKENS
 from lerobot_mg.processors.tokenizer_source import PALIGEMMA_TOKENIZER, TOKENIZER_FILES, resolve_tokenizer
 from lerobot_mg.step import to_device
+from scripts.synthetic_dataset import TASK, write_state_dataset
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1"
 VLAS = ["pi0_tiny", "pi05_tiny", "smolvla_tiny"]
@@ -161,6 +164,24 @@ def _config_features_stats(name: str) -> tuple[SimpleNamespace, dict, dict, dict
     policy_cfg = _policy_config(name)
     stats = json.loads((FIXTURES / name / "dataset_stats.json").read_text())
     return policy_cfg, policy_cfg.input_features, policy_cfg.output_features, stats
+
+
+def test_each_frames_task_comes_from_the_dataset_through_the_dataloader(in_fixtures: Path, tmp_path: Path) -> None:
+    """The dataset item's ``task`` (its tasks table's string) is collated into a list per batch and tokenised."""
+    root = write_state_dataset(tmp_path / "dataset", num_frames=20, dim=6, episode_length=10, num_files=1)
+    dataset = LeRobotDataset(root, {"action": [0.0]}, keys=("observation.state", "action"))
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    assert batch["task"] == [TASK, TASK]
+    features = {"observation.state": {"type": "STATE", "shape": [6]}}
+    pi0 = SimpleNamespace(**{**vars(_policy_config("pi0_tiny")), "input_features": features,
+                             "output_features": {"action": {"type": "ACTION", "shape": [6]}}})
+    preprocessor, _ = make_processors(pi0, pi0.input_features, pi0.output_features, dataset.stats)
+    out = preprocessor(batch)
+    expected = preprocessor.step(TokenizerStep).tokenizer([TASK + "\n"] * 2, padding="max_length", max_length=16,
+                                                           return_tensors="pt")
+    assert torch.equal(out[LANGUAGE_TOKENS], expected["input_ids"])
+    assert torch.equal(out[LANGUAGE_ATTENTION_MASK], expected["attention_mask"].bool())
+    assert 2 < int(out[LANGUAGE_ATTENTION_MASK][0].sum()) < 16  # the task's tokens, then padding
 
 
 @pytest.mark.parametrize("mode, low, high", [("QUANTILES", "q01", "q99"), ("QUANTILE10", "q10", "q90")])
