@@ -19,6 +19,7 @@ before anything is built); the preprocessor's tokenizer step then finds the file
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,10 @@ def _has_tokenizer(directory: Path) -> bool:
     return (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()
 
 
-def resolve_tokenizer(name: str, key: str) -> Path:
+def resolve_tokenizer(name: str, key: str, env: Mapping[str, str] | None = None) -> Path:
     """The directory holding tokenizer ``name``'s files (see the module docstring); ``key`` names the setting the name
-    came from in the one-line refusal (a ConfigError) when it cannot be had."""
+    came from in the one-line refusal (a ConfigError) when it cannot be had; ``env``: the environment whose
+    ``HF_HUB_OFFLINE`` counts (this process's by default)."""
     local = Path(name).expanduser()
     if local.is_dir():
         return local
@@ -74,7 +76,7 @@ def resolve_tokenizer(name: str, key: str) -> Path:
     except Exception:  # not cached (huggingface_hub's LocalEntryNotFoundError), or cached incompletely
         pass
     fix = f"fetch it while online: {download_command(name)}{_gated_note(name)}"
-    if hub_offline():
+    if hub_offline(env):
         raise config_error(key, name, "is not in huggingface_hub's cache, and HF_HUB_OFFLINE=1 forbids downloading "
                            "its tokenizer", fix)
     try:
@@ -119,15 +121,17 @@ def saved_tokenizers(directory: Path) -> list[tuple[str, str]]:
             if step.get("registry_name") == TOKENIZER_STEP and step.get("config", {}).get("tokenizer_name")]
 
 
-def check_tokenizers(policy_cfg: Any, saved_dir: Path | None = None) -> list[Path]:
+def check_tokenizers(policy_cfg: Any, saved_dir: Path | None = None,
+                     env: Mapping[str, str] | None = None) -> list[Path]:
     """The start-up check of a run's tokenizers: every tokenizer its preprocessor will load is on disk (a Hub one
     downloaded into huggingface_hub's cache now, unless offline), else one ConfigError line that says how to get it.
     ``saved_dir``: the directory whose saved preprocessor the run loads (the checkpoint it resumes, the base it
-    fine-tunes), None for a new preprocessor built from ``policy_cfg``. Returns the directories found."""
+    fine-tunes), None for a new preprocessor built from ``policy_cfg``; ``env`` as for :func:`resolve_tokenizer`.
+    Returns the directories found."""
     if saved_dir is not None:
         names = saved_tokenizers(saved_dir)
     else:
         configured = configured_tokenizer(policy_cfg)
         names = [] if configured is None else [configured]
-    return [resolve_tokenizer(name, key) for key, name in names]
+    return [resolve_tokenizer(name, key, env) for key, name in names]
 

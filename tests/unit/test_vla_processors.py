@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,6 +42,7 @@ from lerobot_mg.processors.language import LANGUAGE_ATTENTION_MASK, LANGUAGE_TOK
 from lerobot_mg.processors.tokenizer_source import PALIGEMMA_TOKENIZER, TOKENIZER_FILES, resolve_tokenizer
 from lerobot_mg.step import to_device
 from scripts.synthetic_dataset import TASK, write_state_dataset
+from tests.launch_utils import PYTHON, REPO, clean_env
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1"
 VLAS = ["pi0_tiny", "pi05_tiny", "smolvla_tiny"]
@@ -255,6 +257,21 @@ def test_an_uncached_tokenizer_offline_is_refused_with_the_download_command(offl
     assert f"hf download {PALIGEMMA_TOKENIZER} --include" in message
     assert f"is gated: accept its licence on https://huggingface.co/{PALIGEMMA_TOKENIZER} first" in message
     assert list(offline_cache.iterdir()) == []  # nothing written, nothing fetched
+
+
+def test_the_environment_alone_points_at_the_cache_and_forbids_downloads(tmp_path: Path) -> None:
+    """As a user sets it: HF_HUB_CACHE and HF_HUB_OFFLINE exported before the process starts."""
+    env = clean_env({"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
+    env.pop("HF_HOME", None)
+    check = ("from types import SimpleNamespace; from lerobot_mg.errors import ConfigError; "
+             "from lerobot_mg.processors import check_tokenizers\n"
+             "try:\n    check_tokenizers(SimpleNamespace(type='pi05'))\n"
+             "except ConfigError as error:\n    print(error)")
+    done = subprocess.run([PYTHON, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"policy.tokenizer_name='{PALIGEMMA_TOKENIZER}': is not in huggingface_hub's cache")
+    assert done.stdout.count("\n") == 1 and f"hf download {PALIGEMMA_TOKENIZER} --include" in done.stdout
+    assert not (tmp_path / "hub").exists() or list((tmp_path / "hub").iterdir()) == []
 
 
 def test_a_cached_tokenizer_is_found_offline(offline_cache: Path, in_fixtures: Path) -> None:
