@@ -4,8 +4,9 @@ The mode of a feature is ``norm_map[feature type]`` (``policy.normalization_mapp
 IDENTITY (ACT's default map has no ENV entry, so ``observation.environment_state`` passes unchanged):
   MEAN_STD: (x - mean) / (std + eps), inverse x * std + mean
   MIN_MAX:  2 (x - min) / (max - min) - 1, to [-1, 1] (a zero range counts as eps), inverse (x + 1) / 2 * range + min
-  QUANTILES: as MIN_MAX with the 1st and 99th percentiles (q01, q99) in place of min and max: the bulk of the data
-            in [-1, 1], outliers beyond (pi0.5's default); QUANTILE10 with q10 and q90
+  QUANTILES: 2 (x - q01) / (q99 - q01) - 1, inverse (x + 1) (q99 - q01) / 2 + q01: MIN_MAX with the 1st and 99th
+            percentiles in place of min and max, the bulk of the data in [-1, 1] and outliers beyond (pi0.5's
+            default); QUANTILE10 the same with q10 and q90
   IDENTITY: untouched
 The preprocessor normalises observation inputs and the ``action`` targets; the postprocessor maps the policy's
 ``action`` output back to dataset units. Keys absent from a batch are skipped (an inference batch carries no
@@ -206,7 +207,7 @@ class UnnormalizerStep(_NormalizationStep):
         low, denom = self._low_range(key, mode, x)
         if mode is NormalizationMode.MIN_MAX:
             return (x + 1) / 2 * denom + low
-        return (x + 1) * denom / 2 + low  # LeRobot's order of operations for the quantile modes (same rounding)
+        return (x + 1) * denom / 2 + low  # LeRobot's order of operations for the quantile modes: its rounding
 
 
 def make_processors(
