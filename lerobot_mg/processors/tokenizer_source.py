@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
 from lerobot_mg.config.policy import is_repo_id
 from lerobot_mg.data.hub import hub_offline
@@ -73,7 +73,7 @@ def resolve_tokenizer(name: str, key: str, env: Mapping[str, str] | None = None)
                                         local_files_only=True))
         if _has_tokenizer(cached):
             return cached
-    except Exception:  # not cached (huggingface_hub's LocalEntryNotFoundError), or cached incompletely
+    except LocalEntryNotFoundError:  # not cached, or cached incompletely (its IncompleteSnapshotError)
         pass
     fix = f"fetch it while online: {download_command(name)}{_gated_note(name)}"
     if hub_offline(env):
