@@ -291,6 +291,13 @@ def test_a_cached_tokenizer_is_found_offline(offline_cache: Path, in_fixtures: P
     assert step.get_config()["tokenizer_name"] == "someone/tiny-paligemma"  # saved as given, not the cache path
     assert check_tokenizers(None, _pretrained("smolvla_tiny")) == [Path("smolvla_tiny/tiny_vlm")]
     assert check_tokenizers(SimpleNamespace(type="act")) == []
+    weights_only = offline_cache / "models--someone--weights-only"  # a snapshot of the repo without its tokenizer
+    (weights_only / "snapshots" / commit).mkdir(parents=True)
+    (weights_only / "snapshots" / commit / "config.json").write_text("{}")
+    shutil.copytree(repo_dir / "refs", weights_only / "refs")
+    with pytest.raises(ConfigError, match=r"^policy.tokenizer_name='someone/weights-only': is not in "
+                                          r"huggingface_hub's cache, .* Fix: fetch it while online: hf download"):
+        check_tokenizers(SimpleNamespace(type="pi05", tokenizer_name="someone/weights-only"))
 
 
 def test_a_tokenizer_name_that_is_neither_a_folder_nor_a_repo_id_is_refused(offline_cache: Path) -> None:
