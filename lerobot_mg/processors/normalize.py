@@ -4,6 +4,9 @@ The mode of a feature is ``norm_map[feature type]`` (``policy.normalization_mapp
 IDENTITY (ACT's default map has no ENV entry, so ``observation.environment_state`` passes unchanged):
   MEAN_STD: (x - mean) / (std + eps), inverse x * std + mean
   MIN_MAX:  2 (x - min) / (max - min) - 1, to [-1, 1] (a zero range counts as eps), inverse (x + 1) / 2 * range + min
+  QUANTILES: 2 (x - q01) / (q99 - q01) - 1, inverse (x + 1) (q99 - q01) / 2 + q01: MIN_MAX with the 1st and 99th
+            percentiles in place of min and max, the bulk of the data in [-1, 1] and outliers beyond (pi0.5's
+            default); QUANTILE10 the same with q10 and q90
   IDENTITY: untouched
 The preprocessor normalises observation inputs and the ``action`` targets; the postprocessor maps the policy's
 ``action`` output back to dataset units. Keys absent from a batch are skipped (an inference batch carries no
@@ -31,6 +34,7 @@ from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import FeatureSpec
 from lerobot_mg.processors.pipeline import PolicyProcessorPipeline, ProcessorStep, register_step
 from lerobot_mg.processors.steps import DeviceStep, RenameObservationsStep, ToBatchStep
+from lerobot_mg.processors.vla import VLA_TYPES, vla_pipelines
 
 # Keeps a constant feature (std == 0) finite instead of dividing by zero; LeRobot's default.
 DEFAULT_EPS = 1e-8
@@ -38,6 +42,8 @@ DEFAULT_EPS = 1e-8
 STATS_PER_MODE: dict[NormalizationMode, tuple[str, ...]] = {
     NormalizationMode.MEAN_STD: ("mean", "std"),
     NormalizationMode.MIN_MAX: ("min", "max"),
+    NormalizationMode.QUANTILES: ("q01", "q99"),
+    NormalizationMode.QUANTILE10: ("q10", "q90"),
     NormalizationMode.IDENTITY: (),
 }
 # What LeRobot's training puts in place of a camera's mean and std (lerobot.utils.constants.IMAGENET_STATS).
@@ -127,10 +133,13 @@ class _NormalizationStep(ProcessorStep):
     def _stat(self, key: str, stat_name: str, like: Tensor) -> Tensor:
         return self.stats[key][stat_name].to(device=like.device, dtype=like.dtype)
 
-    def _range(self, key: str, like: Tensor) -> Tensor:
-        """max - min, with a zero range replaced by eps (LeRobot's rule: a constant feature maps to -1)."""
-        denom = self._stat(key, "max", like) - self._stat(key, "min", like)
-        return torch.where(denom == 0, torch.tensor(self.eps, device=like.device, dtype=like.dtype), denom)
+    def _low_range(self, key: str, mode: NormalizationMode, like: Tensor) -> tuple[Tensor, Tensor]:
+        """(low, high - low) of a range mode (MIN_MAX: min and max, QUANTILES: q01 and q99, ...), a zero range
+        replaced by eps (LeRobot's rule: a constant feature maps to -1)."""
+        low_name, high_name = STATS_PER_MODE[mode]
+        low = self._stat(key, low_name, like)
+        denom = self._stat(key, high_name, like) - low
+        return low, torch.where(denom == 0, torch.tensor(self.eps, device=like.device, dtype=like.dtype), denom)
 
     @abc.abstractmethod
     def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
@@ -184,7 +193,8 @@ class NormalizerStep(_NormalizationStep):
     def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
         if mode is NormalizationMode.MEAN_STD:
             return (x - self._stat(key, "mean", x)) / (self._stat(key, "std", x) + self.eps)
-        return 2 * (x - self._stat(key, "min", x)) / self._range(key, x) - 1
+        low, denom = self._low_range(key, mode, x)
+        return 2 * (x - low) / denom - 1
 
 
 @register_step
@@ -194,7 +204,10 @@ class UnnormalizerStep(_NormalizationStep):
     def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:
         if mode is NormalizationMode.MEAN_STD:
             return x * self._stat(key, "std", x) + self._stat(key, "mean", x)
-        return (x + 1) / 2 * self._range(key, x) + self._stat(key, "min", x)
+        low, denom = self._low_range(key, mode, x)
+        if mode is NormalizationMode.MIN_MAX:
+            return (x + 1) / 2 * denom + low
+        return (x + 1) * denom / 2 + low  # LeRobot's order of operations for the quantile modes: its rounding
 
 
 def make_processors(
@@ -204,10 +217,14 @@ def make_processors(
     stats: dict[str, dict[str, StatValue]],
     device: torch.device | str = "cpu",
 ) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
-    """(preprocessor, postprocessor) of LeRobot's ACT and Diffusion for a policy config carrying
-    ``normalization_mapping``, with ``stats`` (every key's, camera mean/std already ImageNet's when wanted)."""
+    """(preprocessor, postprocessor) of LeRobot's pipelines for a policy config carrying ``normalization_mapping``,
+    with ``stats`` (every key's, camera mean/std already ImageNet's when wanted): ACT's and Diffusion's, or, for a
+    config whose ``type`` is pi0, pi05 or smolvla, those of :mod:`lerobot_mg.processors.vla` (with the tokenizer)."""
     norm_map = {str(key): str(getattr(value, "value", value))
                 for key, value in dict(policy_cfg.normalization_mapping).items()}
+    if getattr(policy_cfg, "type", None) in VLA_TYPES:
+        return vla_pipelines(policy_cfg, NormalizerStep({**input_features, **output_features}, norm_map, stats),
+                             UnnormalizerStep(output_features, norm_map, stats), device)
     preprocessor = PolicyProcessorPipeline("policy_preprocessor", [
         RenameObservationsStep(), ToBatchStep(), DeviceStep(device),
         NormalizerStep({**input_features, **output_features}, norm_map, stats),
@@ -228,7 +245,7 @@ def load_processors(directory: Path) -> tuple[PolicyProcessorPipeline, PolicyPro
             pipeline.step(step_class)
         except LookupError as error:
             raise ConfigError(f"{Path(directory) / pipeline.name}.json: {error}. Fix: a pretrained_model directory "
-                              "of an ACT or Diffusion policy (LeRobot 0.6.1's or lerobot_mg's)") from None
+                              "of a policy lerobot_mg trains (LeRobot 0.6.1's or lerobot_mg's)") from None
     return pipelines
 
 

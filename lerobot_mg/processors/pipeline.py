@@ -127,8 +127,8 @@ class PolicyProcessorPipeline:
             if step_class is None:
                 raise ConfigError(
                     f"{manifest_path}: uses the processor step {step_name!r}, which lerobot_mg does not have (it "
-                    f"has {sorted(STEP_CLASSES)}). Fix: a pretrained_model directory of an ACT or Diffusion policy "
-                    "(LeRobot 0.6.1's or lerobot_mg's)"
+                    f"has {sorted(STEP_CLASSES)}). Fix: a pretrained_model directory of a policy lerobot_mg trains "
+                    "(ACT, Diffusion, pi0, pi0.5, SmolVLA: LeRobot 0.6.1's or lerobot_mg's)"
                 )
             state = {}
             if entry.get("state_file"):  # kept inside the directory: the manifest may come from someone else

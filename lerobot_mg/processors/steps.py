@@ -1,7 +1,8 @@
-"""The steps of LeRobot 0.6.1's ACT and Diffusion pipelines besides (un)normalisation, under LeRobot's names.
+"""The steps every LeRobot 0.6.1 policy pipeline has besides (un)normalisation, under LeRobot's names.
 
-Preprocessor: ``rename_observations_processor`` -> ``to_batch_processor`` -> ``device_processor`` ->
-``normalizer_processor``. Postprocessor: ``unnormalizer_processor`` -> ``device_processor`` (to the CPU).
+ACT and Diffusion: preprocessor ``rename_observations_processor`` -> ``to_batch_processor`` -> ``device_processor`` ->
+``normalizer_processor``; postprocessor ``unnormalizer_processor`` -> ``device_processor`` (to the CPU). The
+vision-language-action policies add their language steps between them (:mod:`lerobot_mg.processors.vla`).
 """
 
 from __future__ import annotations

@@ -239,9 +239,15 @@ def test_load_errors(tmp_path: Path) -> None:
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
     manifest = tmp_path / "policy_preprocessor.json"
     manifest.write_text(json.dumps({"name": "policy_preprocessor",
+                                    "steps": [{"registry_name": "action_tokenizer_processor", "config": {}}]}))
+    with pytest.raises(ConfigError, match=r"uses the processor step 'action_tokenizer_processor', which lerobot_mg does "
+                       r"not have \(it has \['absolute_actions_processor', 'device_processor', .*\]\)\. Fix: "):
+        PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
+    # A tokenizer step LeRobot saved without the tokenizer's name (it was handed a tokenizer object).
+    manifest.write_text(json.dumps({"name": "policy_preprocessor",
                                     "steps": [{"registry_name": "tokenizer_processor", "config": {}}]}))
-    with pytest.raises(ConfigError, match=r"uses the processor step 'tokenizer_processor', which lerobot_mg does not "
-                       r"have \(it has \['device_processor', 'normalizer_processor', .*\]\)\. Fix: "):
+    with pytest.raises(ConfigError, match=r"^tokenizer_processor.config.tokenizer_name=None: is not saved, so the "
+                       r"tokenizer the policy was trained with is unknown\. Fix: add "):
         PolicyProcessorPipeline.from_pretrained(tmp_path, "policy_preprocessor")
     # The files of lerobot_mg before it wrote LeRobot's: refused, saying what to do.
     manifest.write_text(json.dumps({"name": "policy_preprocessor", "steps": [
