@@ -44,9 +44,10 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.trackers import check_trackers
 from lerobot_mg.errors import config_error
 from lerobot_mg.peft.base import check_policy_path, stored_dtype
-from lerobot_mg.peft.build import build_policy
+from lerobot_mg.peft.build import build_policy, processors_dir
 from lerobot_mg.peft.lora import check_peft_config
 from lerobot_mg.policies.base import delta_timestamps, features_from_dataset
+from lerobot_mg.processors import check_tokenizers
 from lerobot_mg.sim.checks import check_sim_evaluation
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     dataset, split = check_dataset(cfg, dims.dp_world_size, Path(source.root))
     check_sim_evaluation(cfg, dataset.features)
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
+    if on_this_machine and not cfg.plan:  # a plan needs no tokenizer (a gated one may not be fetched yet)
+        check_tokenizers(cfg.policy, processors_dir(cfg, resume.step_dir if resume else None), env)
     policy = meta_policy(cfg, dataset)
     memory = plan_memory(cfg, dims, policy)  # the wrap, checkpointing and compile units are chosen (and checked) here
     if on_this_machine and not cfg.plan:
