@@ -111,7 +111,7 @@ class SmolVLAConfig(PolicyConfig):
     # The processor pads the task tokens to the longest in the batch ("longest") or to tokenizer_max_length
     # ("max_length").
     pad_language_to: str = "longest"
-    # Expert depth: <= 0 gives one expert layer per VLM layer; else num_vlm_layers must be a multiple of it.
+    # Expert depth: <= 0 (or num_vlm_layers) gives one expert layer per VLM layer, the only depth supported.
     num_expert_layers: int = -1
     # The first num_vlm_layers language layers of the VLM are kept (the rest are dropped).
     num_vlm_layers: int = 16
@@ -196,11 +196,12 @@ class SmolVLAConfig(PolicyConfig):
         if self.attention_mode not in ATTENTION_MODES:
             raise config_error("policy.attention_mode", self.attention_mode,
                                f"must be one of {', '.join(ATTENTION_MODES)}", "policy.attention_mode=cross_attn")
-        if self.num_expert_layers > 0 and self.num_vlm_layers % self.num_expert_layers:
+        if self.num_expert_layers > 0 and self.num_expert_layers != self.num_vlm_layers:
             raise config_error(
                 "policy.num_expert_layers", self.num_expert_layers,
-                f"does not divide policy.num_vlm_layers={self.num_vlm_layers} (each expert layer sits beside every "
-                "k-th VLM layer)", "policy.num_expert_layers=-1 (one expert layer per VLM layer)",
+                f"gives fewer expert layers than policy.num_vlm_layers={self.num_vlm_layers}, which is not "
+                "supported (LeRobot 0.6.1's own inference fails on it)",
+                "policy.num_expert_layers=-1 (one expert layer per VLM layer)",
             )
         if not 0.0 < self.expert_width_multiplier <= 4.0:
             raise config_error("policy.expert_width_multiplier", self.expert_width_multiplier, "must be in (0, 4]",

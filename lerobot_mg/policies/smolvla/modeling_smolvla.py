@@ -21,15 +21,24 @@ the vision encoder's layers are units, and activation checkpointing recomputes e
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from lerobot_mg.config.smolvla import SmolVLAConfig
 from lerobot_mg.errors import config_error
-from lerobot_mg.policies.base import SAMPLE_SEED_KEY, FeatureSpec, PreTrainedPolicy
+from lerobot_mg.policies.base import (
+    SAMPLE_SEED_KEY,
+    WEIGHTS_NAME,
+    FeatureSpec,
+    PreTrainedPolicy,
+    load_state_dict_strictly,
+)
+from lerobot_mg.policies.saved_config import CONFIG_NAME
 from lerobot_mg.policies.smolvla.smolvlm_with_expert import KVCache, SmolVLMWithExpertModel
 from lerobot_mg.policies.smolvla.vlm import load_vlm_weights, smolvlm_config
 from lerobot_mg.policies.vla.common import (
@@ -307,6 +316,19 @@ class SmolVLAPolicy(PreTrainedPolicy):
             if width > getattr(config, limit):
                 raise config_error(f"policy.{limit}", getattr(config, limit),
                                    f"is narrower than the dataset's {key!r} ({width} dims)", f"policy.{limit}={width}")
+
+    def load_weights(self, directory: Path, map_location: str | torch.device = "cpu") -> None:
+        """Load ``directory``'s model.safetensors strictly. With ``load_vlm_weights`` the parameters keep the dtypes
+        of LeRobot's build from the VLM's published weights (bfloat16 VLM and expert) and the stored values are
+        cast to them, as LeRobot loads them; otherwise as every policy (the stored dtypes)."""
+        if not self.config.load_vlm_weights:
+            super().load_weights(directory, map_location)
+            return
+        weights_path = Path(directory) / WEIGHTS_NAME
+        if not weights_path.is_file():
+            super().load_weights(directory, map_location)  # its error names the missing file
+        state_dict = load_file(str(weights_path), device=str(map_location))
+        load_state_dict_strictly(self, state_dict, str(weights_path), str(Path(directory) / CONFIG_NAME))
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """The joint layers, each sharded as one unit: (VLM language layer i, expert layer i)."""
