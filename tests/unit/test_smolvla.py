@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from lerobot_mg.config.smolvla import SMOLVLM2_500M, SmolVLAConfig
@@ -348,6 +350,17 @@ def test_declares_the_joint_layers_as_units_and_checkpoints_them(ref: dict[str, 
     for name, p in policy.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, plain[name], atol=0.0, rtol=0.0)
+
+
+def test_lerobots_default_lora_targets_are_the_experts_query_and_value_projections() -> None:
+    policy = load_policy()
+    expected = [f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "qv"]
+    names = [name for name, _ in policy.named_modules() if re.fullmatch(policy._peft_target_modules, name)]
+    assert names == expected
+    adapted = get_peft_model(policy, LoraConfig(r=2, target_modules=policy._peft_target_modules))
+    lora_a = sorted({name.removeprefix("base_model.model.").split(".lora_A")[0]
+                     for name, _ in adapted.named_parameters() if ".lora_A." in name})
+    assert lora_a == sorted(expected)
 
 
 # --- bfloat16 (load_vlm_weights=true) and the VLM's weights --------------------------------------------------------
