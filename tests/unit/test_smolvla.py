@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hf_constants
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
@@ -32,7 +33,7 @@ from lerobot_mg.distributed.wrap import checkpoint_activations
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 from lerobot_mg.policies.smolvla import SmolVLAExpertLayer, SmolVLAPolicy, SmolVLAVLMLayer
-from lerobot_mg.policies.smolvla.vlm import smolvlm_config
+from lerobot_mg.policies.smolvla.vlm import smolvlm_config, vlm_weight_files
 from tests.lerobot_fixtures import FIXTURES, config_json, fixture_dir, pretrained_model_dir, reference
 
 NAME = "smolvla_tiny"
@@ -439,6 +440,15 @@ def test_a_new_policy_starts_from_the_vlms_weights(tmp_path: Path) -> None:
     config.vlm_model_name = str(_vlm_folder(tmp_path / "broken", drop=missing))
     with pytest.raises(ConfigError, match=r"policy.vlm_model_name=.*lack \['model.connector"):
         SmolVLAPolicy(config, inputs, outputs)
+
+
+def test_the_hub_vlms_weights_offline_and_not_cached_are_refused_with_the_download_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"policy.vlm_model_name='{SMOLVLM2_500M}': .*Fix: fetch them while "
+                                          rf"online: hf download {SMOLVLM2_500M}"):
+        vlm_weight_files(SMOLVLM2_500M)
 
 
 def _fixture_values() -> dict:

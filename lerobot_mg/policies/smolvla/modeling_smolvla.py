@@ -40,7 +40,7 @@ from lerobot_mg.policies.base import (
 )
 from lerobot_mg.policies.saved_config import CONFIG_NAME
 from lerobot_mg.policies.smolvla.smolvlm_with_expert import KVCache, SmolVLMWithExpertModel
-from lerobot_mg.policies.smolvla.vlm import load_vlm_weights, smolvlm_config
+from lerobot_mg.policies.smolvla.vlm import load_vlm_weights, smolvlm_config, vlm_weight_files
 from lerobot_mg.policies.vla.common import (
     euler_integrate,
     flow_matching_losses,
@@ -104,6 +104,7 @@ class SmolVLAFlowMatching(nn.Module):
     def __init__(self, config: SmolVLAConfig, load_weights: bool) -> None:
         super().__init__()
         self.config = config
+        weight_files = vlm_weight_files(config.vlm_model_name) if config.load_vlm_weights and load_weights else None
         vlm_config = smolvlm_config(config)
         cross = cross_attention_layers(config)
         self.vlm_with_expert = SmolVLMWithExpertModel(vlm_config, config.num_vlm_layers, cross,
@@ -118,8 +119,8 @@ class SmolVLAFlowMatching(nn.Module):
         self._initialise(vlm_config.text_config.initializer_range)
         if config.load_vlm_weights:
             self._to_lerobot_pretrained_dtypes()
-            if load_weights:
-                load_vlm_weights(self.vlm_with_expert.vlm, config.vlm_model_name)
+            if weight_files is not None:
+                load_vlm_weights(self.vlm_with_expert.vlm, config.vlm_model_name, weight_files)
         self._set_requires_grad()
 
     def _cross_kv_projections(self) -> list[nn.Linear]:

@@ -74,38 +74,42 @@ def smolvlm_config(config: SmolVLAConfig) -> SmolVLMConfig:
     return SmolVLMConfig(**values)
 
 
-def _weight_folder(name: str) -> Path:
+def vlm_weight_files(name: str) -> list[Path]:
+    """The VLM's ``*.safetensors`` files: in the folder ``name``, or for a Hub model in huggingface_hub's cache
+    (downloaded into it first unless it is there or ``HF_HUB_OFFLINE=1``). Asked before the model is built, so a
+    missing download is refused at once."""
     if is_local_vlm(name):
-        return Path(name)
-    try:
-        # Offline, huggingface_hub reads its cache without asking the Hub (HF_HUB_OFFLINE=1).
-        return Path(snapshot_download(name, repo_type="model", allow_patterns=_WEIGHT_PATTERNS))
-    except Exception as error:  # not cached offline, no network, no such repo
-        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
-        raise config_error(
-            "policy.vlm_model_name", name,
-            f"with policy.load_vlm_weights=true needs the VLM's weights, which could not be had ({reason})",
-            f"fetch them while online: hf download {name} --include '*.safetensors' '*.json', or "
-            "policy.load_vlm_weights=false",
-        ) from error
-
-
-def load_vlm_weights(vlm: nn.Module, name: str) -> None:
-    """Copy the VLM's published weights (``model.vision_model.*``, ``model.connector.*``, ``model.text_model.*``,
-    ``lm_head.weight``) into ``vlm`` (LeRobot's ``vlm_with_expert.vlm``), each cast to its parameter's dtype. The
-    language layers SmolVLA drops are skipped; a weight ``vlm`` needs and the files lack is a ConfigError."""
-    folder = _weight_folder(name)
+        folder = Path(name)
+    else:
+        try:
+            folder = Path(snapshot_download(name, repo_type="model", allow_patterns=_WEIGHT_PATTERNS))
+        except Exception as error:  # not cached offline, no network, no such repo
+            reason = " ".join(f"{type(error).__name__}: {error}".split()).split(". ")[0]
+            raise config_error(
+                "policy.vlm_model_name", name,
+                f"with policy.load_vlm_weights=true needs the VLM's weights, which could not be had ({reason})",
+                f"fetch them while online: hf download {name} --include '*.safetensors' '*.json', or "
+                "policy.load_vlm_weights=false",
+            ) from error
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise config_error("policy.vlm_model_name", name, f"holds no *.safetensors weights in {folder}",
                            "a folder holding the VLM's weights, or policy.load_vlm_weights=false")
+    return files
+
+
+def load_vlm_weights(vlm: nn.Module, name: str, files: list[Path]) -> None:
+    """Copy the VLM's published weights (``model.vision_model.*``, ``model.connector.*``, ``model.text_model.*``,
+    ``lm_head.weight``, from ``files``) into ``vlm`` (LeRobot's ``vlm_with_expert.vlm``), each cast to its
+    parameter's dtype. The language layers SmolVLA drops are skipped; a weight ``vlm`` needs and the files lack is a
+    ConfigError."""
     wanted = vlm.state_dict()
     stored: dict[str, torch.Tensor] = {}
     for path in files:
         stored.update({key: tensor for key, tensor in load_file(str(path)).items() if key in wanted})
     missing = sorted(set(wanted) - set(stored))
     if missing:
-        raise ConfigError(f"policy.vlm_model_name={name!r}: its weights in {folder} lack {missing[:5]} (of "
+        raise ConfigError(f"policy.vlm_model_name={name!r}: its weights ({files[0].parent}) lack {missing[:5]} (of "
                           f"{len(missing)} missing). Fix: the folder of a SmolVLM whose architecture matches its "
                           "config.json, or policy.load_vlm_weights=false")
     try:
