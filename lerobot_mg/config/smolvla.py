@@ -72,8 +72,8 @@ class SmolVLAConfig(PolicyConfig):
     resize_imgs_with_padding: list[int] | None = field(default_factory=_default_resize)
     # Cameras the model expects beyond the dataset's: fed as all-black images whose tokens are masked out.
     empty_cameras: int = 0
-    # LeRobot's conversions for ALOHA robots (joint flips, gripper angle space); use_delta_joint_actions_aloha is
-    # not implemented in LeRobot either (it must stay false).
+    # LeRobot's conversions for ALOHA robots (joint flips, gripper angle space): not supported here, and
+    # use_delta_joint_actions_aloha is not implemented in LeRobot either (both must stay false).
     adapt_to_pi_aloha: bool = False
     use_delta_joint_actions_aloha: bool = False
     # The tokenizer's length limit for the task text (the processor reads it).
@@ -172,6 +172,8 @@ class SmolVLAConfig(PolicyConfig):
         refused = {
             "use_delta_joint_actions_aloha": (self.use_delta_joint_actions_aloha,
                                               "is not implemented (in LeRobot 0.6.1 neither)"),
+            "adapt_to_pi_aloha": (self.adapt_to_pi_aloha,
+                                  "(LeRobot's conversion of ALOHA joints to the pi runtime's space) is not supported"),
             "add_image_special_tokens": (self.add_image_special_tokens,
                                          "needs the tokenizer's image token ids, which lerobot_mg's SmolVLA does not "
                                          "read"),
