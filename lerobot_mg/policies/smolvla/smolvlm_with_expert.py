@@ -182,8 +182,9 @@ class SmolVLAVLMLayer(_DecoderLayer):
         attention_mask: Tensor,
         position_ids: Tensor,
         cached: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor]]:
-        """(prefix out, suffix out, this layer's prefix keys and values after RoPE).
+    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """(prefix out, suffix out, this layer's prefix keys and values after RoPE in the prefix-only pass, which
+        fills the cache; None in the passes with a suffix, so that activation checkpointing keeps nothing extra).
 
         ``attention_mask`` (B, Lq, Lk) bool and ``position_ids`` (B, Lq) cover the tokens of the streams present,
         prefix first; with ``cached`` (the prefix pass's keys and values) the prefix is None and the keys run
@@ -232,7 +233,7 @@ class SmolVLAVLMLayer(_DecoderLayer):
                     attention_mask[:, :prefix_length, :prefix_length], num_heads,
                 ))
             prefix_out = self._finish(prefix, prefix_attention[0])
-        return prefix_out, suffix_out, (prefix_keys, prefix_values)
+        return prefix_out, suffix_out, (prefix_keys, prefix_values) if suffix is None else None
 
 
 class SmolVLAText(nn.Module):
@@ -328,13 +329,15 @@ class SmolVLMWithExpertModel(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[Tensor | None, Tensor | None, KVCache]:
         """Run both streams through every joint layer and each stream's final norm: (prefix out, suffix out, the
-        prefix keys and values of every layer). Training passes both streams; inference passes the prefix alone
-        (its keys and values are the cache) and then, per denoising step, the suffix alone with that cache."""
+        prefix keys and values of every layer when only the prefix ran, else an empty list). Training passes both
+        streams; inference passes the prefix alone (its keys and values are the cache) and then, per denoising
+        step, the suffix alone with that cache."""
         new_cache: KVCache = []
         for index, (vlm_layer, expert_layer) in enumerate(zip(self.vlm_layers, self.lm_expert.layers, strict=True)):
             prefix, suffix, layer_kv = vlm_layer(prefix, suffix, expert_layer, attention_mask, position_ids,
                                                  None if cache is None else cache[index])
-            new_cache.append(layer_kv)
+            if layer_kv is not None:
+                new_cache.append(layer_kv)
         prefix_out = None if prefix is None else self.vlm.model.text_model.norm(prefix)
         suffix_out = None if suffix is None else self.lm_expert.norm(suffix)
         return prefix_out, suffix_out, new_cache
