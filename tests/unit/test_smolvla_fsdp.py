@@ -1,8 +1,8 @@
 """SmolVLA's declared units under FSDP2, on 2 real processes (gloo): each joint layer (VLM layer i with expert layer
 i) sharded as one grouped unit with torch's ``fully_shard([vlm_i, expert_i])``, the vision encoder's layers as units,
-the rest in the root. The training loss, every gradient and the denoised chunk equal the unsharded policy's to the
-bit, and after training and inference every joint layer and vision layer is sharded again (only the root's own
-parameters stay gathered, as FSDP2 keeps the root's).
+the rest in the root. The training loss and every gradient (with and without activation checkpointing of each joint
+layer) and the denoised chunk equal the unsharded policy's to the bit, and after training and inference every joint
+layer and vision layer is sharded again (only the root's own parameters stay gathered, as FSDP2 keeps the root's).
 
 Run as a script, this file is one rank (the test starts two)."""
 
@@ -26,9 +26,11 @@ def test_joint_layers_as_grouped_fsdp2_units_train_and_infer_as_unsharded(tmp_pa
     assert proc.returncode == 0, proc.stdout[-6000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["units"] == 4 + 1  # four joint layers, one vision encoder layer
-        assert result["loss_diff"] == 0.0 and result["grad_diff"] == 0.0 and result["chunk_diff"] == 0.0, result
-        assert result["grads_compared"] == 47  # every trainable parameter: the expert and the projections
+        for run in (result["recomputed"], result["stored"]):
+            assert run["units"] == 4 + 1  # four joint layers, one vision encoder layer
+            assert run["loss_diff"] == 0.0 and run["grad_diff"] == 0.0, result
+            assert run["grads_compared"] == 47  # every trainable parameter: the expert and the projections
+        assert result["chunk_diff"] == 0.0, result
         assert result["gathered_after"] and all(
             not name.startswith(("model.vlm_with_expert.vlm.model.text_model.layers.",
                                  "model.vlm_with_expert.lm_expert.layers.",
@@ -44,6 +46,7 @@ def _rank_main(out_dir: Path) -> None:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import DTensor
 
+    from lerobot_mg.distributed.wrap import checkpoint_activations
     from lerobot_mg.policies.smolvla import SmolVLAPolicy
 
     torch.set_num_threads(1)
@@ -55,31 +58,35 @@ def _rank_main(out_dir: Path) -> None:
     for camera in ("observation.images.top", "observation.images.wrist"):
         batch[camera] = ref[f"input.{camera}.uint8"].float() / 255
     plain = SmolVLAPolicy.from_pretrained(Path("smolvla_tiny/pretrained_model"))
-    sharded = SmolVLAPolicy.from_pretrained(Path("smolvla_tiny/pretrained_model"))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    units = 0
-    for group in sharded.fsdp_unit_groups():
-        fully_shard(list(group), mesh=mesh)
-        units += 1
-    for module in sharded.modules():
-        if type(module).__name__ in sharded._fsdp_wrap_modules:
-            fully_shard(module, mesh=mesh)
+    results = {}
+    plain.train()
+    plain_loss, _ = plain(batch, noise=ref["input.noise"], time=ref["input.time"])
+    plain_loss.backward()
+    for recompute in (True, False):  # with activation checkpointing of each joint layer, then without
+        sharded = SmolVLAPolicy.from_pretrained(Path("smolvla_tiny/pretrained_model"))
+        units = 0
+        for group in sharded.fsdp_unit_groups():
+            if recompute:
+                checkpoint_activations(group[0])  # as accelerator.activation_checkpointing does (_checkpoint_modules)
+            fully_shard(list(group), mesh=mesh)
             units += 1
-    fully_shard(sharded, mesh=mesh)
-    register_fsdp_forward_method(sharded, "predict_action_chunk")  # inference does not go through forward
-    results = {"units": units}
-    losses = []
-    for policy in (sharded, plain):
-        policy.train()
-        loss, _ = policy(batch, noise=ref["input.noise"], time=ref["input.time"])
+        for module in sharded.modules():
+            if type(module).__name__ in sharded._fsdp_wrap_modules:
+                fully_shard(module, mesh=mesh)
+                units += 1
+        fully_shard(sharded, mesh=mesh)
+        sharded.train()
+        loss, _ = sharded(batch, noise=ref["input.noise"], time=ref["input.time"])
         loss.backward()
-        losses.append(loss.detach())
-    results["loss_diff"] = (losses[0] - losses[1]).abs().item()
-    grad_diffs = [
-        (mine.grad.full_tensor() - theirs.grad).abs().max().item()
-        for mine, theirs in zip(sharded.parameters(), plain.parameters(), strict=True) if theirs.grad is not None
-    ]
-    results["grad_diff"], results["grads_compared"] = max(grad_diffs), len(grad_diffs)
+        grad_diffs = [
+            (mine.grad.full_tensor() - theirs.grad).abs().max().item()
+            for mine, theirs in zip(sharded.parameters(), plain.parameters(), strict=True) if theirs.grad is not None
+        ]
+        key = "recomputed" if recompute else "stored"
+        results[key] = {"units": units, "loss_diff": (loss.detach() - plain_loss.detach()).abs().item(),
+                        "grad_diff": max(grad_diffs), "grads_compared": len(grad_diffs)}
+    register_fsdp_forward_method(sharded, "predict_action_chunk")  # inference does not go through forward
     chunks = []
     for policy in (sharded, plain):
         policy.eval()
