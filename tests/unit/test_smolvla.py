@@ -215,6 +215,27 @@ def test_training_loss_intermediates_and_gradients_match_lerobot(ref: dict[str, 
     assert not policy.model.vlm_with_expert.vlm.training  # the frozen VLM stays in eval mode in train()
 
 
+def test_training_the_vlm_too_freezes_what_lerobot_freezes(tmp_path: Path, ref: dict[str, torch.Tensor]) -> None:
+    """train_expert_only=false, freeze_vision_encoder=false: everything trains but the language head, the final
+    norm and the last VLM layer (LeRobot's rule), and each of those parameters gets a gradient."""
+    directory = tmp_path / "pretrained_model"
+    shutil.copytree(pretrained_model_dir(NAME), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(train_expert_only=False, freeze_vision_encoder=False,
+                  vlm_model_name=str(fixture_dir(NAME) / "tiny_vlm"))
+    (directory / "config.json").write_text(json.dumps(config))
+    policy = SmolVLAPolicy.from_pretrained(directory)
+    policy.train()
+    frozen = {name for name, p in policy.named_parameters() if not p.requires_grad}
+    vlm = "model.vlm_with_expert.vlm."
+    assert frozen == {name for name, _ in policy.named_parameters() if name.startswith(
+        (f"{vlm}lm_head", f"{vlm}model.text_model.norm", f"{vlm}model.text_model.layers.3."))}
+    assert policy.model.vlm_with_expert.vlm.training
+    loss, _ = policy(pre_batch(ref), noise=ref["input.noise"], time=ref["input.time"])
+    loss.backward()
+    assert all(p.grad is not None for p in policy.parameters() if p.requires_grad)
+
+
 def test_loss_masks_padded_steps_and_divides_by_valid_entries(ref: dict[str, torch.Tensor]) -> None:
     policy = load_policy()
     batch = pre_batch(ref)
