@@ -300,6 +300,24 @@ def test_action_chunk_and_inference_intermediates_match_lerobot(ref: dict[str, t
     close(torch.stack(times), ref["eval.timesteps"], atol=0.0)
 
 
+def test_an_empty_camera_is_an_input_feature_whose_tokens_are_masked(tmp_path: Path,
+                                                                     ref: dict[str, torch.Tensor]) -> None:
+    """empty_cameras=1, as LeRobot: config.json lists observation.images.empty_camera_0, the model sees a black
+    image whose tokens nobody attends to, so the chunk is the one without it (LeRobot's too, checked by hand)."""
+    directory = tmp_path / "pretrained_model"
+    shutil.copytree(pretrained_model_dir(NAME), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(empty_cameras=1, vlm_model_name=str(fixture_dir(NAME) / "tiny_vlm"))
+    (directory / "config.json").write_text(json.dumps(config))
+    policy = SmolVLAPolicy.from_pretrained(directory)
+    assert list(policy.config_dict()["input_features"]) == [
+        "observation.state", *CAMERAS, "observation.images.empty_camera_0"]
+    batch = {key: value for key, value in pre_batch(ref).items() if key not in ("action", "action_is_pad")}
+    images, masks = policy.prepare_images(batch)
+    assert len(images) == 3 and torch.equal(images[2], -torch.ones_like(images[2])) and not masks[2].any()
+    close(policy.predict_action_chunk(batch, noise=ref["input.sample_noise"]), ref["eval.action_chunk"])
+
+
 def test_select_action_queues_the_chunk(ref: dict[str, torch.Tensor]) -> None:
     """One frame at a time (no time axis), as an environment gives it: the first n_action_steps of the chunk."""
     policy = load_policy()
