@@ -27,6 +27,7 @@ from lerobot_mg.config.choices import (
 )
 from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.config.policy import PolicyConfig
+from lerobot_mg.config.smolvla import SmolVLAConfig
 from lerobot_mg.errors import config_error
 
 # The top-level folder of the checkout this package runs from (conf/, outputs/bench); an installed wheel has none.
@@ -36,7 +37,9 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 # The config dataclass of each policy: the schema of its `policy` preset; lerobot_mg.policies.registry maps the same
 # names to the policy classes.
-POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {"act": ACTConfig, "diffusion": DiffusionConfig}
+POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {
+    "act": ACTConfig, "diffusion": DiffusionConfig, "smolvla": SmolVLAConfig,
+}
 
 
 def policy_config_class(name: str) -> type[PolicyConfig]:
