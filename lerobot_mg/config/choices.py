@@ -105,10 +105,14 @@ class FeatureType(Choice):
 
 
 class NormalizationMode(Choice):
-    """``MEAN_STD``: zero mean, unit variance. ``MIN_MAX``: to [-1, 1]. ``IDENTITY``: unchanged."""
+    """``MEAN_STD``: zero mean, unit variance. ``MIN_MAX``: min and max to [-1, 1]. ``QUANTILES``: the 1st and 99th
+    percentiles (q01, q99) to [-1, 1] (pi0.5's default). ``QUANTILE10``: the 10th and 90th (q10, q90) to [-1, 1].
+    ``IDENTITY``: unchanged."""
 
     MEAN_STD = "MEAN_STD"
     MIN_MAX = "MIN_MAX"
+    QUANTILES = "QUANTILES"
+    QUANTILE10 = "QUANTILE10"
     IDENTITY = "IDENTITY"
 
 
