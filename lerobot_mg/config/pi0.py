@@ -33,12 +33,6 @@ SIGLIP_DIMS: dict[str, int] = {
 }
 # PaliGemma's vocabulary (also the size of the action expert's unused language head).
 PALIGEMMA_VOCAB_SIZE = 257152
-# Sections of dimension_overrides and the keys each takes.
-OVERRIDE_SECTIONS: dict[str, tuple[str, ...]] = {
-    **{variant: tuple(dims) for variant, dims in GEMMA_VARIANT_DIMS.items()},
-    "vision": (*SIGLIP_DIMS, "projection_dim"),
-    "text": ("vocab_size",),
-}
 DEFAULT_IMAGE_SIZE = 224
 
 
@@ -81,6 +75,21 @@ class SiglipDims:
     num_attention_heads: int
     patch_size: int
     projection_dim: int
+
+
+# The sections of dimension_overrides and the sizes each takes (gemma_2b and gemma_300m are the variants' stacks,
+# whichever role they play).
+OVERRIDE_SECTIONS: dict[str, tuple[str, ...]] = {
+    **{variant: tuple(dims) for variant, dims in GEMMA_VARIANT_DIMS.items()},
+    "vision": (*SIGLIP_DIMS, "projection_dim"),
+    "text": ("vocab_size",),
+}
+
+
+def _no_dimension_overrides() -> dict[str, dict[str, int | None]]:
+    # Every size present and null, so that `policy.dimension_overrides.gemma_2b.depth=2` needs no `+` and a
+    # mistyped size fails at compose time.
+    return {section: dict.fromkeys(names) for section, names in OVERRIDE_SECTIONS.items()}
 
 
 @dataclass
@@ -147,19 +156,24 @@ class PI0Config(PolicyConfig):
     tokenizer_max_length: int = 48
 
     # --- lerobot_mg only (train_config.json) ---
-    # Replace some of the network's sizes: {gemma_2b: {width, depth, mlp_dim, num_heads, num_kv_heads, head_dim},
-    # gemma_300m: {...}, vision: {hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    # patch_size, projection_dim}, text: {vocab_size}}. Empty: LeRobot's full-size network. A pretrained base's
-    # weights only load into the sizes they were saved with.
-    dimension_overrides: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Replace some of the network's sizes, e.g. policy.dimension_overrides.gemma_2b.depth=2: gemma_2b / gemma_300m
+    # {width, depth, mlp_dim, num_heads, num_kv_heads, head_dim}, vision {hidden_size, intermediate_size,
+    # num_hidden_layers, num_attention_heads, patch_size, projection_dim}, text {vocab_size}. All null: LeRobot's
+    # full-size network. A pretrained base's weights only load into the sizes they were saved with.
+    dimension_overrides: dict[str, dict[str, int | None]] = field(default_factory=_no_dimension_overrides)
 
     @property
     def action_delta_indices(self) -> list[int]:
         return list(range(self.chunk_size))
 
+    def overrides_of(self, section: str) -> dict[str, int]:
+        """The sizes ``policy.dimension_overrides.<section>`` sets (the null ones omitted)."""
+        return {name: int(value) for name, value in (self.dimension_overrides.get(section) or {}).items()
+                if value is not None}
+
     def gemma_dims(self, variant: str) -> GemmaDims:
         """The sizes of the stack named ``variant``, with its overrides."""
-        return GemmaDims(**{**GEMMA_VARIANT_DIMS[variant], **self.dimension_overrides.get(variant, {})})
+        return GemmaDims(**{**GEMMA_VARIANT_DIMS[variant], **self.overrides_of(variant)})
 
     @property
     def vlm_dims(self) -> GemmaDims:
@@ -171,12 +185,12 @@ class PI0Config(PolicyConfig):
 
     @property
     def vision_dims(self) -> SiglipDims:
-        overrides = self.dimension_overrides.get("vision", {})
+        overrides = self.overrides_of("vision")
         return SiglipDims(**{**SIGLIP_DIMS, "projection_dim": self.vlm_dims.width, **overrides})
 
     @property
     def vocab_size(self) -> int:
-        return int(self.dimension_overrides.get("text", {}).get("vocab_size", PALIGEMMA_VOCAB_SIZE))
+        return int(self.overrides_of("text").get("vocab_size", PALIGEMMA_VOCAB_SIZE))
 
     def check_fields(self) -> None:
         check_positive_ints({"chunk_size": self.chunk_size, "max_state_dim": self.max_state_dim,
@@ -212,14 +226,14 @@ class PI0Config(PolicyConfig):
             key = f"policy.dimension_overrides.{section}"
             if section not in OVERRIDE_SECTIONS:
                 raise config_error(key, values, f"is not a section ({', '.join(OVERRIDE_SECTIONS)})", f"~{key}")
-            for name, value in values.items():
+            for name, value in (values or {}).items():
                 if name not in OVERRIDE_SECTIONS[section]:
                     raise config_error(f"{key}.{name}", value, f"is not a size of {section} "
                                        f"({', '.join(OVERRIDE_SECTIONS[section])})", f"~{key}.{name}")
-                if value < 1:
-                    raise config_error(f"{key}.{name}", value, "must be >= 1", f"~{key}.{name}")
+                if value is not None and value < 1:
+                    raise config_error(f"{key}.{name}", value, "must be >= 1", f"{key}.{name}=null")
         vlm, expert = self.vlm_dims, self.expert_dims
-        for name in ("num_heads", "num_kv_heads", "head_dim"):
+        for name in ("depth", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(vlm, name) != getattr(expert, name):
                 raise config_error(
                     f"policy.dimension_overrides.{self.action_expert_variant}.{name}", getattr(expert, name),
