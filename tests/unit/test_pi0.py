@@ -239,12 +239,16 @@ def test_gradients_match(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]])
     assert len(grad_keys) >= 5
     for key in grad_keys:
         _close(parameters[key.removeprefix("grad.")].grad, ref[key], key, TENSOR_TOLERANCE)
-    # LeRobot's structure facts: both language heads and the last VLM layer's output side get no gradient.
+    # LeRobot's structure facts: both language heads and the last VLM layer's output side get no gradient, the
+    # last VLM layer's q_proj an exactly zero one, every other parameter a gradient.
+    without = sorted(name for name, param in parameters.items() if param.grad is None)
+    assert without == sorted(policy.parameters_without_gradient())
     pwe = "model.paligemma_with_expert."
-    for key in (f"{pwe}paligemma.lm_head.weight", f"{pwe}gemma_expert.lm_head.weight",
-                f"{pwe}paligemma.model.language_model.layers.1.mlp.up_proj.weight",
-                f"{pwe}paligemma.model.language_model.norm.weight"):
-        assert parameters[key].grad is None, key
+    assert {f"{pwe}paligemma.lm_head.weight", f"{pwe}gemma_expert.lm_head.weight",
+            f"{pwe}paligemma.model.language_model.layers.1.mlp.up_proj.weight",
+            f"{pwe}paligemma.model.language_model.norm.weight"} <= set(without)
+    assert len(without) == 8  # the two heads, the final norm, o_proj, the norm and 3 MLP weights of the last layer
+    assert parameters[f"{pwe}paligemma.model.language_model.layers.1.self_attn.q_proj.weight"].grad.eq(0).all()
     policy.zero_grad(set_to_none=True)
 
 

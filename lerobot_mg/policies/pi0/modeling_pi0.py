@@ -238,6 +238,20 @@ class PI0Policy(PreTrainedPolicy):
         """[(VLM layer i, expert layer i)]: each joint layer is one FSDP2 unit (gathered and resharded together)."""
         return list(self.model.paligemma_with_expert.joint_layers())
 
+    def parameters_without_gradient(self) -> list[str]:
+        """Names of the trainable parameters a training step never gives a gradient (their ``.grad`` stays None),
+        as in LeRobot: both language heads (kept in the state dict for LeRobot, never computed), and the output side
+        of the last VLM layer and the VLM's final norm (the prefix's last hidden state is discarded; only its keys
+        and values reach the expert). Data-parallel code can leave them out of the gradient reduction; an optimizer
+        skips them as LeRobot's AdamW does (no update, no weight decay). The last VLM layer's q_proj is not listed:
+        its gradient exists and is exactly zero, and weight decay still applies to it, as in LeRobot."""
+        pwe = self.model.paligemma_with_expert
+        last = pwe.vlm.layers[-1]
+        modules = [pwe.paligemma.lm_head, pwe.gemma_expert.lm_head, pwe.vlm.norm, last.self_attn.o_proj,
+                   last.post_attention_layernorm, last.mlp]
+        ids = {id(param) for module in modules for param in module.parameters()}
+        return [name for name, param in self.named_parameters() if id(param) in ids and param.requires_grad]
+
     # --- inputs ---
 
     def preprocess_images(self, batch: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
