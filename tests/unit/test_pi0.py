@@ -16,18 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from lerobot_mg.config import register_configs
+from lerobot_mg.config.loading import CONF_DIR, to_train_config
 from lerobot_mg.config.pi0 import PI0Config
 from lerobot_mg.config.pi05 import PI05Config
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 from lerobot_mg.policies.pi0.modeling_pi0 import PI0Policy
 from lerobot_mg.policies.pi05.modeling_pi05 import PI05Policy
-from lerobot_mg.policies.registry import load_pretrained
+from lerobot_mg.policies.registry import load_pretrained, make_policy
 from lerobot_mg.policies.vla import common
 from tests import vla_fixtures as vf
+from tests.launch_utils import PUSHT_SLICE
 
 PI_FIXTURES = ("pi0_tiny", "pi05_tiny")
 LOSS_TOLERANCE = {"atol": vf.ATOL_LOSSES, "rtol": 1e-6}
@@ -332,3 +336,43 @@ def test_each_sample_draws_its_own_noise_and_time_from_its_seed(
         again, _ = policy(batch, reduction="none")
     torch.testing.assert_close(alone, per_sample[1:], atol=1e-6, rtol=1e-6)
     assert torch.equal(again, per_sample)
+
+
+# --- the preset and the action queue ------------------------------------------------------------------------------
+
+TINY_OVERRIDES = [f"policy.dimension_overrides.{section}.{size}={value}"
+                  for section, sizes in vf.pi_dimension_overrides("pi0_tiny").items() for size, value in sizes.items()]
+
+
+@pytest.mark.parametrize("option", ["pi0", "pi05"])
+def test_the_preset_with_tiny_dimensions_builds_and_trains_on_a_dataset(option: str) -> None:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose(config_name="train", overrides=[f"policy={option}", *TINY_OVERRIDES,
+                                                           "policy.image_resolution=[42,42]", "policy.chunk_size=4",
+                                                           "policy.n_action_steps=4", "policy.tokenizer_max_length=6"])
+    config = to_train_config(composed).policy
+    features = json.loads((PUSHT_SLICE / "meta" / "info.json").read_text())["features"]
+    policy = make_policy(config, features)
+    assert type(policy).name == option and policy.config.vlm_dims.depth == 2
+    assert "dimension_overrides" not in policy.config_dict()
+    generator = torch.Generator().manual_seed(0)
+    batch = {"observation.image": torch.rand(3, 3, 96, 96, generator=generator),
+             "observation.state": torch.randn(3, 2, generator=generator),
+             "action": torch.randn(3, 4, 2, generator=generator),
+             "observation.language.tokens": torch.randint(0, 300, (3, 6), generator=generator),
+             "observation.language.attention_mask": torch.ones(3, 6, dtype=torch.bool),
+             SAMPLE_SEED_KEY: torch.tensor([1, 2, 3])}
+    policy.train()
+    loss, _ = policy(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and policy.model.action_in_proj.weight.grad.abs().sum() > 0
+    policy.eval()
+    policy.reset()
+    observation = {key: value for key, value in batch.items() if key.startswith("observation.")}
+    torch.manual_seed(5)
+    chunk = policy.predict_action_chunk(observation)
+    torch.manual_seed(5)
+    queued = [policy.select_action(observation) for _ in range(4)]
+    assert chunk.shape == (3, 4, 2)
+    torch.testing.assert_close(torch.stack(queued, dim=1), chunk, atol=0, rtol=0)
