@@ -4,7 +4,9 @@ never touches its layer's weights), on the tiny pi0 and pi0.5 of the fixtures.""
 
 from __future__ import annotations
 
+import json
 import math
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from lerobot_mg.policies.vla import common
 from lerobot_mg.policies.vla.gemma import ExpertDecoderLayer, VLMDecoderLayer
 from lerobot_mg.policies.vla.paligemma import SIGLIP_LAYER_CLASS
 from tests import vla_fixtures as vf
+from tests.launch_utils import PYTHON, REPO, clean_env, spawn_ranks
 
 PI_FIXTURES = ("pi0_tiny", "pi05_tiny")
 
@@ -163,7 +166,8 @@ def test_an_absent_stream_never_touches_its_layers_weights(tiny_policy: tuple[st
             param.fill_(float("nan"))
         prefix, pad, att = model.embed_prefix(images, img_masks, tokens, masks)
         mask = common.attention_masks_4d(common.make_att_2d_masks(pad, att))
-        prefix_out, suffix_out, cache = pwe(prefix, None, mask, common.position_ids_from_pad_masks(pad))
+        prefix_out, suffix_out, cache = pwe(prefix, None, mask, common.position_ids_from_pad_masks(pad),
+                                           fill_cache=True)
         assert suffix_out is None and torch.isfinite(prefix_out).all()
         assert cache is not None and all(torch.isfinite(kv.key).all() for kv in cache)
         policy.load_state_dict(source.state_dict())
@@ -196,3 +200,67 @@ def test_gradient_checkpointing_recomputes_the_joint_layers_with_the_same_number
     for key, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][key], grad, atol=0, rtol=0, msg=key)
     policy.zero_grad(set_to_none=True)
+
+
+# --- FSDP2: each joint layer one grouped unit ------------------------------------------------------------------
+
+_FSDP_WORKER = textwrap.dedent("""
+    import json, sys, tempfile
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from lerobot_mg.policies.registry import load_pretrained
+    from tests import vla_fixtures as vf
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = {}
+    for name in ("pi0_tiny", "pi05_tiny"):
+        directory = vf.loadable_pretrained_copy(name, Path(tempfile.mkdtemp()),
+                                                {"dimension_overrides": vf.pi_dimension_overrides(name)})
+        plain, sharded = load_pretrained(directory), load_pretrained(directory)
+        for module in list(sharded.modules()):
+            if type(module).__name__ in sharded._fsdp_wrap_modules:
+                fully_shard(module, mesh=mesh)
+        for group in sharded.fsdp_unit_groups():
+            fully_shard(list(group), mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        register_fsdp_forward_method(sharded, "predict_action_chunk")
+        ref, batch = vf.reference(name), vf.pi_batch(name)
+        losses, grads, chunks = [], [], []
+        for policy in (plain, sharded):
+            policy.train()
+            loss, _ = policy(batch, noise=ref["input.noise"], time=ref["input.time"])
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: None if p.grad is None else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                          else p.grad) for n, p in policy.named_parameters()})
+            policy.eval()
+            chunks.append(policy.predict_action_chunk(batch, noise=ref["input.sample_noise"]))
+        assert grads[0].keys() == grads[1].keys()
+        assert all((grads[0][n] is None) == (grads[1][n] is None) for n in grads[0])
+        results[name] = {"loss": abs(losses[0] - losses[1]),
+                         "grad": max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]
+                                     if grads[0][n] is not None),
+                         "chunk": (chunks[0] - chunks[1]).abs().max().item()}
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+""")
+
+
+def test_joint_layers_as_grouped_fsdp2_units_train_and_infer_like_one_process(tmp_path: Path) -> None:
+    """fully_shard([vlm_layer_i, expert_layer_i]) per joint layer, the SigLIP layers and the root, on 2 gloo ranks:
+    the same loss, gradients and action chunk as the unsharded policy (training, the prefix pass and every
+    denoising step gather each unit when it computes)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_FSDP_WORKER)
+    result = tmp_path / "result.json"
+    done = spawn_ranks([PYTHON, str(worker), str(result)], 2, clean_env({"PYTHONPATH": str(REPO),
+                                                                         "OMP_NUM_THREADS": "1"}), REPO, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    for name, diffs in json.loads(result.read_text()).items():
+        assert diffs["loss"] == 0.0 and diffs["chunk"] == 0.0, (name, diffs)
+        assert diffs["grad"] <= 1e-6, (name, diffs)

@@ -172,7 +172,8 @@ class PI0Pytorch(nn.Module):
                                       tokens.device)
         prefix_embs, prefix_pad, prefix_att = self.embed_prefix(images, img_masks, tokens, masks)
         mask_4d = attention_masks_4d(make_att_2d_masks(prefix_pad, prefix_att))
-        _, _, cache = self.paligemma_with_expert(prefix_embs, None, mask_4d, position_ids_from_pad_masks(prefix_pad))
+        _, _, cache = self.paligemma_with_expert(prefix_embs, None, mask_4d, position_ids_from_pad_masks(prefix_pad),
+                                                  fill_cache=True)
         assert cache is not None  # the prefix pass always fills it
 
         def velocity(x_t: Tensor, timestep: Tensor) -> Tensor:

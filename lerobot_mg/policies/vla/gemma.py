@@ -170,13 +170,15 @@ def eager_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | No
 @dataclass
 class JointPassInputs:
     """What every joint layer of one pass shares: the additive attention mask (B, 1, T, S), RoPE's (cos, sin) for
-    the tokens computed in this pass, and the AdaRMS conditions of the two streams (None: plain norms)."""
+    the tokens computed in this pass, the AdaRMS conditions of the two streams (None: plain norms), and whether the
+    layers return the prefix's keys and values (the prefix-only pass that fills the cache)."""
 
     attention_mask: Tensor
     cos: Tensor
     sin: Tensor
     vlm_cond: Tensor | None = None
     expert_cond: Tensor | None = None
+    fill_cache: bool = False
 
 
 @dataclass
@@ -192,7 +194,8 @@ class JointAttention:
     The VLM layer builds it with its own projections (or None when the prefix is absent) and the cached prefix
     keys/values (the denoising steps); the expert layer calls it once with its own (``__call__``, returning its
     part of the output), or the VLM layer calls :meth:`without_expert` when the suffix is absent. Afterwards
-    ``prefix_output`` is the VLM's part and ``prefix_key_value`` the prefix's post-RoPE keys/values (the cache)."""
+    ``prefix_output`` is the VLM's part and, in a pass that fills the cache, ``prefix_key_value`` the prefix's
+    post-RoPE keys/values."""
 
     def __init__(self, inputs: JointPassInputs, prefix: QKV | None, cached: KeyValue | None, scaling: float) -> None:
         self.inputs = inputs
@@ -211,11 +214,15 @@ class JointAttention:
         query = torch.cat([s.query for s in streams], dim=2)
         key = torch.cat([s.key for s in streams], dim=2)
         value = torch.cat([s.value for s in streams], dim=2)
-        query = apply_rotary(query, self.inputs.cos, self.inputs.sin)
-        key = apply_rotary(key, self.inputs.cos, self.inputs.sin)
+        # RoPE in the projections' dtype (already so unless a wrapper such as FSDP2's mixed precision cast the
+        # layer's inputs and parameters after the pass computed cos/sin).
+        cos, sin = self.inputs.cos.to(query.dtype), self.inputs.sin.to(query.dtype)
+        query = apply_rotary(query, cos, sin)
+        key = apply_rotary(key, cos, sin)
         prefix_length = 0 if self.prefix is None else self.prefix.query.shape[2]
-        if self.prefix is not None:
-            self.prefix_key_value = KeyValue(key[:, :, :prefix_length], value[:, :, :prefix_length])
+        if self.inputs.fill_cache and self.prefix is not None:
+            self.prefix_key_value = (KeyValue(key, value) if suffix is None else
+                                     KeyValue(key[:, :, :prefix_length].clone(), value[:, :, :prefix_length].clone()))
         if self.cached is not None:
             key = torch.cat([self.cached.key, key], dim=2)
             value = torch.cat([self.cached.value, value], dim=2)
@@ -275,8 +282,9 @@ class VLMDecoderLayer(_GemmaDecoderLayer):
     def forward(self, prefix: Tensor | None, suffix: Tensor | None, expert_layer: ExpertDecoderLayer,
                 inputs: JointPassInputs, cached: KeyValue | None = None
                 ) -> tuple[Tensor | None, Tensor | None, KeyValue | None]:
-        """(prefix out, suffix out, the prefix's post-RoPE keys/values): either stream may be None (absent);
-        ``cached`` is the prefix's keys/values when the suffix runs against a cached prefix."""
+        """(prefix out, suffix out, the prefix's post-RoPE keys/values when ``inputs.fill_cache``, else None): either
+        stream may be None (absent); ``cached`` is the prefix's keys/values when the suffix runs against a cached
+        prefix."""
         qkv, gate = (None, None) if prefix is None else self._project(prefix, inputs.vlm_cond)
         attention = JointAttention(inputs, qkv, cached, self.self_attn.scaling)
         suffix_out = expert_layer(suffix, attention, inputs.expert_cond)

@@ -154,12 +154,12 @@ class PaliGemmaWithExpertModel(nn.Module):
         return self.vlm.embed_tokens(tokens)
 
     def forward(self, prefix: Tensor | None, suffix: Tensor | None, attention_mask: Tensor, position_ids: Tensor,
-                cache: list[KeyValue] | None = None, expert_cond: Tensor | None = None
+                cache: list[KeyValue] | None = None, expert_cond: Tensor | None = None, fill_cache: bool = False
                 ) -> tuple[Tensor | None, Tensor | None, list[KeyValue] | None]:
         """One pass through every joint layer and the final norms: (prefix out, suffix out, the prefix's keys and
-        values per layer). Training gives both streams; the prefix-only pass fills the cache; a denoising step
-        gives the suffix and ``cache``. ``attention_mask`` is additive (B, 1, T, S), ``position_ids`` (B, T) cover
-        the tokens of this pass."""
+        values per layer when ``fill_cache``, else None). Training gives both streams; the prefix-only pass fills
+        the cache; a denoising step gives the suffix and ``cache``. ``attention_mask`` is additive (B, 1, T, S),
+        ``position_ids`` (B, T) cover the tokens of this pass."""
         if prefix is not None and self.vlm.compute_dtype == torch.bfloat16:
             prefix = prefix.to(torch.bfloat16)
         if suffix is not None and self.expert.compute_dtype == torch.bfloat16:
@@ -169,7 +169,7 @@ class PaliGemmaWithExpertModel(nn.Module):
         if reference is None:
             raise ValueError("a pass needs the prefix, the suffix or both")
         cos, sin = rope_stack.rotary_emb(reference, position_ids)
-        inputs = JointPassInputs(attention_mask, cos, sin, vlm_cond=None, expert_cond=expert_cond)
+        inputs = JointPassInputs(attention_mask, cos, sin, vlm_cond=None, expert_cond=expert_cond, fill_cache=fill_cache)
         new_cache: list[KeyValue] = []
         for index, (vlm_layer, expert_layer) in enumerate(self.joint_layers()):
             prefix, suffix, key_value = vlm_layer(prefix, suffix, expert_layer, inputs,
