@@ -69,7 +69,7 @@ def pi_dimension_overrides(name: str) -> dict[str, dict[str, int]]:
     return overrides
 
 
-def pi_batch(name: str, prefix: str = "pre") -> dict[str, torch.Tensor]:
+def preprocessed_batch(name: str, prefix: str = "pre") -> dict[str, torch.Tensor]:
     """The preprocessed batch LeRobot's policy received (``pre.*``, cameras as ``uint8.float() / 255``; their
     VISUAL normalisation is the identity) plus ``action_is_pad``."""
     tensors = reference(name)

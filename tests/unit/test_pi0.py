@@ -164,7 +164,7 @@ def test_dimension_overrides_are_checked() -> None:
 
 def test_training_loss_and_intermediates_match(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]]) -> None:
     name, policy, ref = loaded
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     noise, time = ref["input.noise"], ref["input.time"]
     policy.train()
     images, img_masks = policy.preprocess_images(batch)
@@ -224,7 +224,7 @@ def test_training_loss_and_intermediates_match(loaded: tuple[str, PI0Policy, dic
 def test_padded_steps_count_in_the_loss_as_in_lerobot(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]]
                                                       ) -> None:
     name, policy, ref = loaded
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     assert batch["action_is_pad"].any()
     unpadded = {**batch, "action_is_pad": torch.zeros_like(batch["action_is_pad"])}
     with torch.no_grad():
@@ -236,7 +236,7 @@ def test_gradients_match(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]])
     name, policy, ref = loaded
     policy.train()
     policy.zero_grad(set_to_none=True)
-    loss, _ = policy(vf.pi_batch(name), noise=ref["input.noise"], time=ref["input.time"])
+    loss, _ = policy(vf.preprocessed_batch(name), noise=ref["input.noise"], time=ref["input.time"])
     loss.backward()
     parameters = dict(policy.named_parameters())
     grad_keys = [key for key in ref if key.startswith("grad.")]
@@ -258,7 +258,7 @@ def test_gradients_match(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]])
 
 def test_inference_matches(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]]) -> None:
     name, policy, ref = loaded
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     observation = {key: value for key, value in batch.items() if key.startswith("observation.")}
     policy.eval()
     pwe = policy.model.paligemma_with_expert
@@ -312,7 +312,7 @@ def test_bfloat16_build_matches_lerobots(tmp_path: Path) -> None:
         assert [(k, str(v.dtype).removeprefix("torch.")) for k, v in state_dict.items()] == [
             (entry["key"], entry["dtype"]) for entry in manifest["keys"]]
         _check_non_persistent_buffers(policy, manifest)
-        batch = vf.pi_batch(name)
+        batch = vf.preprocessed_batch(name)
         policy.train()
         with torch.no_grad():
             loss, _ = policy(batch, noise=ref["input.noise"], time=ref["input.time"])
@@ -327,7 +327,7 @@ def test_each_sample_draws_its_own_noise_and_time_from_its_seed(
         loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]]) -> None:
     """A sample trains on the same draws whatever batch it is in (the layout-independence of training)."""
     name, policy, _ = loaded
-    batch = {**vf.pi_batch(name), SAMPLE_SEED_KEY: torch.tensor([11, 12])}
+    batch = {**vf.preprocessed_batch(name), SAMPLE_SEED_KEY: torch.tensor([11, 12])}
     policy.train()
     with torch.no_grad():
         per_sample, _ = policy(batch, reduction="none")

@@ -130,7 +130,7 @@ def test_units_are_the_joint_layers_and_the_vision_layers(tiny_policy: tuple[str
 
 def test_every_pass_runs_both_forwards_of_every_joint_layer_nested(tiny_policy: tuple[str, PI0Policy]) -> None:
     name, policy = tiny_policy
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     num_steps = policy.config.num_inference_steps
     log: list[tuple[str, str, int]] = []
     handles = _record_calls(policy, log)
@@ -156,7 +156,7 @@ def test_an_absent_stream_never_touches_its_layers_weights(tiny_policy: tuple[st
     policy = type(source)(source.config, source.input_features, source.output_features)
     policy.load_state_dict(source.state_dict())
     policy.eval()
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     images, img_masks = policy.preprocess_images(batch)
     tokens, masks = batch["observation.language.tokens"], batch["observation.language.attention_mask"]
     model = policy.model
@@ -182,7 +182,7 @@ def test_an_absent_stream_never_touches_its_layers_weights(tiny_policy: tuple[st
 def test_gradient_checkpointing_recomputes_the_joint_layers_with_the_same_numbers(
         tiny_policy: tuple[str, PI0Policy]) -> None:
     name, policy = tiny_policy
-    batch = vf.pi_batch(name)
+    batch = vf.preprocessed_batch(name)
     ref = vf.reference(name)
     checkpointed_config = type(policy.config)(**{**vars(policy.config), "gradient_checkpointing": True})
     checkpointed = type(policy)(checkpointed_config, policy.input_features, policy.output_features)
@@ -228,7 +228,7 @@ _FSDP_WORKER = textwrap.dedent("""
             fully_shard(list(group), mesh=mesh)
         fully_shard(sharded, mesh=mesh)
         register_fsdp_forward_method(sharded, "predict_action_chunk")
-        ref, batch = vf.reference(name), vf.pi_batch(name)
+        ref, batch = vf.reference(name), vf.preprocessed_batch(name)
         losses, grads, chunks = [], [], []
         for policy in (plain, sharded):
             policy.train()
