@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lerobot_mg.distributed.wrap import checkpoint_activations, declared_checkpoint_blocks
 from lerobot_mg.policies.pi0.modeling_pi0 import PI0Policy
 from lerobot_mg.policies.registry import load_pretrained
 from lerobot_mg.policies.vla import common
@@ -187,18 +188,26 @@ def test_gradient_checkpointing_recomputes_the_joint_layers_with_the_same_number
     checkpointed_config = type(policy.config)(**{**vars(policy.config), "gradient_checkpointing": True})
     checkpointed = type(policy)(checkpointed_config, policy.input_features, policy.output_features)
     checkpointed.load_state_dict(policy.state_dict())
+    # accelerator.activation_checkpointing: wrap.py's transform on the blocks the policy declares.
+    transformed = type(policy)(policy.config, policy.input_features, policy.output_features)
+    transformed.load_state_dict(policy.state_dict())
+    blocks = declared_checkpoint_blocks(transformed)
+    assert [module for _, module in blocks] == [vlm for vlm, _ in transformed.fsdp_unit_groups()]
+    for _, module in blocks:
+        checkpoint_activations(module)
     results = []
-    for candidate in (policy, checkpointed):
+    for candidate in (policy, checkpointed, transformed):
         candidate.train()
         candidate.zero_grad(set_to_none=True)
         loss, _ = candidate(batch, noise=ref["input.noise"], time=ref["input.time"])
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in candidate.named_parameters()
                                         if p.grad is not None}))
-    assert torch.equal(results[0][0], results[1][0])
-    assert results[0][1].keys() == results[1][1].keys()
-    for key, grad in results[0][1].items():
-        torch.testing.assert_close(results[1][1][key], grad, atol=0, rtol=0, msg=key)
+    for loss, grads in results[1:]:
+        assert torch.equal(results[0][0], loss)
+        assert results[0][1].keys() == grads.keys()
+        for key, grad in results[0][1].items():
+            torch.testing.assert_close(grads[key], grad, atol=0, rtol=0, msg=key)
     policy.zero_grad(set_to_none=True)
 
 
