@@ -99,7 +99,7 @@ class PI0Config(PolicyConfig):
 
     action_length_key: ClassVar[str] = "chunk_size"
     policy_class_path: ClassVar[str] = "lerobot_mg.policies.pi0.modeling_pi0:PI0Policy"
-    lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"dimension_overrides"}
+    lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"dimension_overrides", "tokenizer_name"}
 
     type: str = "pi0"
     n_action_steps: int = 50
@@ -161,6 +161,7 @@ class PI0Config(PolicyConfig):
     # num_hidden_layers, num_attention_heads, patch_size, projection_dim}, text {vocab_size}. All null: LeRobot's
     # full-size network. A pretrained base's weights only load into the sizes they were saved with.
     dimension_overrides: dict[str, dict[str, int | None]] = field(default_factory=_no_dimension_overrides)
+    tokenizer_name: str | None = None
 
     @property
     def action_delta_indices(self) -> list[int]:

@@ -23,6 +23,9 @@ from lerobot_mg.policies import (
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.policies.act.modeling_act import ACTDropout, ACTEncoder, attention
 from lerobot_mg.policies.diffusion import DiffusionPolicy
+from lerobot_mg.policies.pi0.modeling_pi0 import PI0Policy
+from lerobot_mg.policies.pi05.modeling_pi05 import PI05Policy
+from lerobot_mg.policies.smolvla.modeling_smolvla import SmolVLAPolicy
 from lerobot_mg.policies.vision import ResNet18FeatureMap
 from tests.launch_utils import PUSHT_SLICE
 
@@ -298,7 +301,7 @@ def test_fsdp_wrap_units_exist_in_the_model() -> None:
         ({"dropout": 1.5}, r"policy\.dropout=1\.5: must be in \[0, 1\)\. Fix: policy\.dropout=0\.1$"),
         ({"chunk_size": 0}, r"policy\.chunk_size=0: must be >= 1\. Fix: policy\.chunk_size=1$"),
         ({"vision_channels": []}, r"policy\.vision_channels=\[\]: .*\. Fix: policy\.vision_channels=\[32,64,128,256\]$"),
-        ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE': must be one of MEAN_STD, MIN_MAX, IDENTITY\. Fix: "),
+        ({"normalization_mapping": {"STATE": "ZSCORE"}}, r"policy\.normalization_mapping\.STATE='ZSCORE': must be one of MEAN_STD, MIN_MAX, QUANTILES, QUANTILE10, IDENTITY\. Fix: "),
         ({"normalization_mapping": {"DEPTH": "MEAN_STD"}}, r"policy\.normalization_mapping\.DEPTH='MEAN_STD': 'DEPTH' is not a feature type .*\. Fix: ~policy\.normalization_mapping\.DEPTH$"),
         ({"n_obs_steps": 2}, r"policy\.n_obs_steps=2: must be 1: ACT reads the current frame only .*\. Fix: policy\.n_obs_steps=1$"),
         ({"vision_backbone": "resnet50"}, r"policy\.vision_backbone='resnet50': must be one of resnet18, lerobot_mg_cnn\. Fix: "),
@@ -323,11 +326,12 @@ def test_default_config_is_valid_and_a_structured_hydra_schema() -> None:
 
 
 def test_registry() -> None:
-    assert {name: get_policy_class(name) for name in POLICY_CONFIGS} == {"act": ACTPolicy, "diffusion": DiffusionPolicy}
+    assert {name: get_policy_class(name) for name in POLICY_CONFIGS} == {
+        "act": ACTPolicy, "diffusion": DiffusionPolicy, "pi0": PI0Policy, "pi05": PI05Policy, "smolvla": SmolVLAPolicy}
     assert all(get_policy_class(name).config_class is config for name, config in POLICY_CONFIGS.items())
     assert get_policy_class("act") is ACTPolicy
     with pytest.raises(
-        ValueError, match=r"policy\.type='vqbet': is not a known policy\. Fix: policy=<one of act, diffusion>$"
+        ValueError, match=r"policy\.type='vqbet': is not a known policy\. Fix: policy=<one of act, diffusion, pi0, pi05, smolvla>$"
     ):
         get_policy_class("vqbet")
 

@@ -49,13 +49,13 @@ def test_literal_values_resolve_to_their_own_text(text: str, monkeypatch: pytest
 def test_a_base_of_a_type_we_do_not_build_is_refused_naming_the_types_we_do(tmp_path: Path) -> None:
     base = lerobot_base(tmp_path / "pretrained_model")
     config = json.loads((base / "config.json").read_text())
-    for policy_type in ("pi0", ["act"]):
+    for policy_type in ("vqbet", ["act"]):
         (base / "config.json").write_text(json.dumps({**config, "type": policy_type}))
         with pytest.raises(ConfigError) as error:
             read_saved_policy(base)
         assert str(error.value) == (
             f"policy.path={str(base)!r}: its config.json names the policy type {policy_type!r}, which lerobot_mg "
-            "does not build (it builds act, diffusion). Fix: policy.path=<a pretrained_model directory of one of "
+            "does not build (it builds act, diffusion, pi0, pi05, smolvla). Fix: policy.path=<a pretrained_model directory of one of "
             "those types>")
         overrides = [*TINY_RUN, f"dataset.root={PUSHT_SLICE}", f"policy.path={base}"]
         with pytest.raises(ConfigError, match=r"^policy.path=.*names the policy type"):

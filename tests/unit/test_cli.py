@@ -156,7 +156,7 @@ def test_train_help_names_the_command_its_quick_start_and_only_the_real_presets(
     groups = sorted(["hydra/launcher", *(path.name for path in conf.iterdir() if path.is_dir() and path.name != "hydra")])
     assert presets == [f"{group}: {', '.join(sorted(path.stem for path in (conf / group).glob('*.yaml')))}"
                        for group in groups]
-    assert "policy: act, diffusion" in presets  # not the ConfigStore's act_schema and diffusion_schema
+    assert "policy: act, diffusion, pi0, pi05, smolvla" in presets  # not the ConfigStore's act_schema and diffusion_schema
     assert "\n== Config (key=value; the values this command line composes) ==\nparallelism:\n" in out
 
 

@@ -35,6 +35,7 @@ from lerobot_mg.peft.base import apply_policy_path
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
 from lerobot_mg.preflight import preflight
 from tests.launch_utils import PUSHT_SLICE
+from tests.lerobot_fixtures import FIXTURES
 
 # A valid run: the debug experiment on the real PushT slice.
 VALID = ["experiment=pusht_debug", f"dataset.root={PUSHT_SLICE}"]
@@ -84,6 +85,16 @@ LAUNCH_FOR = {
     ("checkpoint", "dcp"): (2, ["parallelism=fsdp"]),
     ("checkpoint", "safetensors_dcp"): (2, ["parallelism=fsdp"]),
 }
+# pi0 and pi0.5 at full size do not fit a CPU test machine (the preflight refuses them): their tiny structure.
+PI_TINY = [f"policy.dimension_overrides.{part}.{size}={value}" for part, sizes in {
+    "gemma_2b": {"width": 64, "depth": 2, "mlp_dim": 128, "head_dim": 16},
+    "gemma_300m": {"width": 32, "depth": 2, "mlp_dim": 64, "head_dim": 16},
+    "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+    "text": {"vocab_size": 300}}.items() for size, value in sizes.items()] + ["policy.image_resolution=[42,42]"]
+# Their tokenizers are the fixtures' local ones (the Hub's are never fetched in tests).
+LAUNCH_FOR[("policy", "pi0")] = LAUNCH_FOR[("policy", "pi05")] = (
+    1, [*PI_TINY, f"policy.tokenizer_name={FIXTURES / 'pi0_tiny' / 'tiny_tokenizer'}"])
+LAUNCH_FOR[("policy", "smolvla")] = (1, [f"policy.vlm_model_name={FIXTURES / 'smolvla_tiny' / 'tiny_vlm'}"])
 
 
 def test_presets_cover_every_group() -> None:

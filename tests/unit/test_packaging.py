@@ -117,7 +117,7 @@ def test_a_wheel_installed_elsewhere_trains_the_debug_preset_from_another_direct
 
     help_page = _run([bin_dir / "lerobot-mg-train", "--help"], env=env, cwd=elsewhere)
     assert help_page.returncode == 0 and help_page.stdout.startswith("lerobot-mg-train: "), help_page.stdout[-6000:]
-    assert "\npolicy: act, diffusion\n" in help_page.stdout  # the presets of the wheel's conf/
+    assert "\npolicy: act, diffusion, pi0, pi05, smolvla\n" in help_page.stdout  # the presets of the wheel's conf/
 
     train = _run([bin_dir / "lerobot-mg-train", "experiment=pusht_debug", "steps=2", "logging.wandb.mode=disabled",
                   "logging.progress_bar=false"], env=env, cwd=elsewhere)
