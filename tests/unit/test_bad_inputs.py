@@ -494,7 +494,7 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "scheduler_type",
         [*VALID, "scheduler.type=linear"],
         1,
-        "scheduler.type='linear': must be one of none, constant, cosine",
+        "scheduler.type='linear': must be one of none, constant, cosine, diffuser_cosine, cosine_decay_with_warmup",
         "scheduler.type=none",
     ),
     (
