@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from lerobot_mg.config.choices import OptimizerType, SchedulerType
+from lerobot_mg.errors import config_error
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def resolve_recipe(optimizer: OptimizerConfig, scheduler: SchedulerConfig, prese
     opt_values["betas"] = list(opt_values["betas"])
     opt_values["param_groups"] = [replace(group) for group in opt_values["param_groups"]]
     resolved_scheduler = SchedulerConfig(**sched_values)
+    check_recipe_keys(OptimizerConfig(**opt_values), resolved_scheduler)
     if resolved_scheduler.type == SchedulerType.cosine_decay_with_warmup:
         warmup, decay = scaled_decay(resolved_scheduler.num_warmup_steps, resolved_scheduler.num_decay_steps, steps)
         if (warmup, decay) != (resolved_scheduler.num_warmup_steps, resolved_scheduler.num_decay_steps):
@@ -164,6 +166,27 @@ def resolve_recipe(optimizer: OptimizerConfig, scheduler: SchedulerConfig, prese
     from_preset = opt_preset + sched_preset
     record = RecipeRecord(policy_type if from_preset else None, from_preset, opt_config + sched_config)
     return OptimizerConfig(**opt_values), resolved_scheduler, record
+
+
+def check_recipe_keys(optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> None:
+    """The ranges of the keys the schedules and parameter groups add (lerobot_mg.config.validate checks lr, betas,
+    clipping, the warm-up and min_lr_ratio); raised while the config is built, before a schedule divides by them."""
+    if scheduler.type == SchedulerType.cosine_decay_with_warmup:
+        if scheduler.num_decay_steps < 1:
+            raise config_error("scheduler.num_decay_steps", scheduler.num_decay_steps, "must be >= 1",
+                               "scheduler.num_decay_steps=30000")
+        if scheduler.decay_lr < 0:
+            raise config_error("scheduler.decay_lr", scheduler.decay_lr, "must be >= 0", "scheduler.decay_lr=2.5e-6")
+    fix = "'optimizer.param_groups=[{match:model.backbone.,lr:1e-5}]', or optimizer.param_groups=[]"
+    for index, group in enumerate(optimizer.param_groups):
+        key = f"optimizer.param_groups[{index}]"
+        if not group.match:
+            raise config_error(f"{key}.match", group.match, "must name a part of the parameter names", fix)
+        if group.lr is not None and group.lr <= 0:
+            raise config_error(f"{key}.lr", group.lr, "must be > 0 (null: optimizer.lr)", fix)
+        if group.weight_decay is not None and group.weight_decay < 0:
+            raise config_error(f"{key}.weight_decay", group.weight_decay, "must be >= 0 (null: optimizer.weight_decay)",
+                               fix)
 
 
 def describe_recipe(optimizer: OptimizerConfig, scheduler: SchedulerConfig, record: RecipeRecord) -> list[str]:

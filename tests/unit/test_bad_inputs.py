@@ -704,6 +704,20 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         f"config_path='{PUSHT_SLICE / 'meta' / 'info.json'}': is only read when resuming",
         "resume=true, or remove config_path",
     ),
+    (
+        "decay_steps_below_1",
+        [*VALID, "scheduler=cosine_decay_with_warmup", "scheduler.num_decay_steps=0"],
+        1,
+        "scheduler.num_decay_steps=0: must be >= 1",
+        "scheduler.num_decay_steps=30000",
+    ),
+    (
+        "param_group_lr_not_positive",
+        [*VALID, "optimizer.param_groups=[{match:model.backbone.,lr:0}]"],
+        1,
+        "optimizer.param_groups[0].lr=0.0: must be > 0 (null: optimizer.lr)",
+        "'optimizer.param_groups=[{match:model.backbone.,lr:1e-5}]', or optimizer.param_groups=[]",
+    ),
 ]
 _IDS = {row.id for row in CATALOGUE}
 CATALOGUE += [BadInput(row_id, typed, start, fix, world_size) for row_id, typed, world_size, start, fix in VALIDATION_ROWS

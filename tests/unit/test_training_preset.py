@@ -31,7 +31,7 @@ from lerobot_mg.config.recipe import (
     TrainingPreset,
     resolve_recipe,
 )
-from lerobot_mg.config.schema import TrainConfig, register_configs
+from lerobot_mg.config.schema import POLICY_CONFIGS, TrainConfig, register_configs
 from lerobot_mg.optim import apply_optimizer_config, lr_factor, make_optimizer, make_scheduler
 from lerobot_mg.policies.act import ACTPolicy
 from tests.launch_utils import PUSHT_SLICE, TINY_RUN, run_train
@@ -52,6 +52,27 @@ def _run_config(typed: list[str]) -> TrainConfig:
 
 def _groups(optimizer: torch.optim.Optimizer) -> dict[str, dict]:
     return {group["name"]: group for group in optimizer.param_groups}
+
+
+# LeRobot 0.6.1's presets (get_optimizer_preset / get_scheduler_preset with each config's defaults): optimizer type,
+# lr, betas, eps, weight decay, clip; scheduler type, warm-up, decay steps, decay lr.
+LEROBOT_PRESETS = {
+    "act": ("adamw", 1e-5, [0.9, 0.999], 1e-8, 1e-4, 10.0, "none", None, None, None),
+    "diffusion": ("adam", 1e-4, [0.95, 0.999], 1e-8, 1e-6, 10.0, "diffuser_cosine", 500, None, None),
+    "pi0": ("adamw", 2.5e-5, [0.9, 0.95], 1e-8, 0.01, 1.0, "cosine_decay_with_warmup", 1000, 30_000, 2.5e-6),
+    "pi05": ("adamw", 2.5e-5, [0.9, 0.95], 1e-8, 0.01, 1.0, "cosine_decay_with_warmup", 1000, 30_000, 2.5e-6),
+    "smolvla": ("adamw", 1e-4, [0.9, 0.95], 1e-8, 1e-10, 10.0, "cosine_decay_with_warmup", 1000, 30_000, 2.5e-6),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_CONFIGS))
+def test_every_policy_has_lerobots_preset(policy: str) -> None:
+    assert policy in LEROBOT_PRESETS, f"policy={policy}: add its LeRobot training preset to LEROBOT_PRESETS"
+    preset = POLICY_CONFIGS[policy]().training_preset()
+    opt, sched = preset.optimizer, preset.scheduler
+    assert (opt.type, opt.lr, list(opt.betas), opt.eps, opt.weight_decay, opt.grad_clip_norm, sched.type,
+            sched.num_warmup_steps, sched.num_decay_steps, sched.decay_lr) == LEROBOT_PRESETS[policy]
+    assert opt.param_groups is not None  # every optimizer key is the preset's, none falls back to ours
 
 
 def test_act_trains_its_backbone_as_a_parameter_group_of_its_own() -> None:
