@@ -315,12 +315,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every typed run config holds its complete recipe: the optimizer.* / scheduler.* keys left unset are filled
         here, once, from the policy's training preset (``use_policy_training_preset``) or the defaults
-        (lerobot_mg.config.recipe). A resumed run trains with the recipe its train_config.json recorded and keeps
-        the record of its first resolution; a key that file lacks (an older version wrote it) takes the default,
-        the value that version trained with."""
+        (lerobot_mg.config.recipe). A config read back from train_config.json (a resume) is complete already and
+        keeps the record of its first resolution; a requeued sweep job, composed again like its first attempt,
+        resolves to the same recipe."""
         policy = self.policy if isinstance(self.policy, PolicyConfig) else None
-        use_preset = policy is not None and self.use_policy_training_preset and not self.resume
-        preset = policy.training_preset() if use_preset else None
+        preset = policy.training_preset() if policy is not None and self.use_policy_training_preset else None
         self.optimizer, self.scheduler, record = resolve_recipe(
             self.optimizer, self.scheduler, preset, None if policy is None else policy.type, self.steps)
         if self.training_recipe is None:

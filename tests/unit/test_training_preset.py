@@ -236,16 +236,3 @@ def test_the_banner_and_the_checkpoint_show_the_recipe_trained_with(tmp_path: Pa
     assert [(group["name"], group["lr"]) for group in groups] == [("main", 3e-4), ("model.backbone.", 1e-5)]
     assert load_file(str(training_state / "optimizer_state.safetensors"))  # both groups' state was saved
 
-
-def test_a_train_config_from_before_the_presets_resumes_with_the_recipe_it_trained_with(tmp_path: Path) -> None:
-    """A train_config.json without training_recipe, param_groups or the new scheduler keys (an older version's):
-    its resume keeps the single parameter group and the values that version trained with."""
-    cfg = train_config_to_dict(_run_config([*VALID, "use_policy_training_preset=false"]))
-    for key in ("training_recipe", "use_policy_training_preset"):
-        del cfg[key]
-    del cfg["optimizer"]["param_groups"], cfg["scheduler"]["num_decay_steps"], cfg["scheduler"]["decay_lr"]
-    saved = tmp_path / "train_config.json"
-    saved.write_text(json.dumps(cfg))
-    resumed = _run_config(["resume=true", f"config_path={saved}"])
-    assert resumed.optimizer == DEFAULT_OPTIMIZER and resumed.training_recipe.preset is None
-    assert (resumed.scheduler.type, resumed.scheduler.num_warmup_steps) == ("cosine", 100)
