@@ -275,6 +275,7 @@ def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, out
              f"{facts.batch.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
              "  note: the lr schedule is stepped once per loop step on purpose (the guide's rule); each optimizer "
              "update uses the lr of its loop step",
+             *(f"  {line}" for line in cfg.recipe_lines()),  # the recipe and whether the policy's preset gave it
              f"  policy: {cfg.policy.type} ({num_params:,} params, {num_trainable:,} trainable = "
              f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} ({len(dataset)} frames, "
              f"{dataset.num_episodes} episodes)",

@@ -10,10 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from lerobot_mg.config.choices import Activation, L1Reduction, NormalizationMode, VisionBackbone, check_choice
+from lerobot_mg.config.choices import (
+    Activation,
+    L1Reduction,
+    NormalizationMode,
+    OptimizerType,
+    SchedulerType,
+    VisionBackbone,
+    check_choice,
+)
 from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.recipe import OptimizerConfig, ParamGroupConfig, SchedulerConfig, TrainingPreset
 from lerobot_mg.errors import config_error
 
+# The vision backbone's parameter names (as LeRobot's ACTPolicy names them; under PEFT they gain a prefix).
+BACKBONE_PARAMETERS = "model.backbone."
 # torchvision's name of the ImageNet ResNet18 weights LeRobot's ACT starts from (its default).
 TORCHVISION_RESNET18_WEIGHTS = "ResNet18_Weights.IMAGENET1K_V1"
 
@@ -67,7 +78,7 @@ class ACTConfig(PolicyConfig):
     temporal_ensemble_coeff: float | None = None
     dropout: float = 0.1
     kl_weight: float = 10.0
-    # LeRobot's optimizer preset for ACT; lerobot_mg's run takes optimizer.* (they are kept for config.json).
+    # LeRobot's training preset for ACT (training_preset: use_policy_training_preset), the backbone's lr included.
     optimizer_lr: float = 1e-5
     optimizer_weight_decay: float = 1e-4
     optimizer_lr_backbone: float = 1e-5
@@ -79,6 +90,17 @@ class ACTConfig(PolicyConfig):
     def action_delta_indices(self) -> list[int]:
         """Frame offsets of the action chunk the dataset must load for each sample."""
         return list(range(self.chunk_size))
+
+    def training_preset(self) -> TrainingPreset:
+        """LeRobot's: AdamW (its other defaults: betas (0.9, 0.999), eps 1e-8, clip 10) at ``optimizer_lr`` and
+        ``optimizer_weight_decay``, the vision backbone's parameters at ``optimizer_lr_backbone`` (ACTPolicy's
+        get_optim_params), and no lr schedule."""
+        return TrainingPreset(
+            OptimizerConfig(type=OptimizerType.adamw, lr=self.optimizer_lr, betas=[0.9, 0.999],
+                             eps=1e-8, weight_decay=self.optimizer_weight_decay, grad_clip_norm=10.0,
+                             param_groups=[ParamGroupConfig(match=BACKBONE_PARAMETERS, lr=self.optimizer_lr_backbone)]),
+            SchedulerConfig(type=SchedulerType.none),
+        )
 
     def check_fields(self) -> None:
         positive_ints = {

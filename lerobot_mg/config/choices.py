@@ -80,10 +80,13 @@ class SchedulerType(Choice):
     none = "none"
     constant = "constant"
     cosine = "cosine"
+    diffuser_cosine = "diffuser_cosine"  # LeRobot's `diffuser` scheduler named `cosine` (Diffusion's preset)
+    cosine_decay_with_warmup = "cosine_decay_with_warmup"  # LeRobot's (pi0, pi0.5, SmolVLA)
 
 
 class OptimizerType(Choice):
     adamw = "adamw"
+    adam = "adam"  # weight decay as an L2 penalty (LeRobot's Diffusion preset)
 
 
 class WandbMode(Choice):

@@ -16,11 +16,14 @@ from lerobot_mg.config.choices import (
     BetaSchedule,
     NoiseScheduler,
     NormalizationMode,
+    OptimizerType,
     PredictionType,
+    SchedulerType,
     VisionBackbone,
     check_choice,
 )
 from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.recipe import OptimizerConfig, SchedulerConfig, TrainingPreset
 from lerobot_mg.errors import config_error
 
 
@@ -104,8 +107,8 @@ class DiffusionConfig(PolicyConfig):
     compile_mode: str = "reduce-overhead"
     # Average the loss over the action frames inside the episode only (LeRobot's masked mean).
     do_mask_loss_for_padding: bool = False
-    # LeRobot's training presets, kept so that config.json round-trips; this trainer reads optimizer.* and
-    # scheduler.*.
+    # LeRobot's training preset for Diffusion (training_preset: use_policy_training_preset). scheduler_name is
+    # diffusers' schedule name (LeRobot's `diffuser` scheduler); only "cosine" is LeRobot's default and ours.
     optimizer_lr: float = 1e-4
     optimizer_betas: list[float] = field(default_factory=_default_optimizer_betas)
     optimizer_eps: float = 1e-8
@@ -134,7 +137,24 @@ class DiffusionConfig(PolicyConfig):
             return [int(self.resize_shape[0] * self.crop_ratio), int(self.resize_shape[1] * self.crop_ratio)]
         return None
 
+    def training_preset(self) -> TrainingPreset:
+        """LeRobot's: Adam (weight decay as an L2 penalty; clip 10, Adam's LeRobot default) at ``optimizer_lr``,
+        ``optimizer_betas``, ``optimizer_eps`` and ``optimizer_weight_decay``, and diffusers' cosine schedule with
+        ``scheduler_warmup_steps`` warm-up steps (fitted to a short run like any warm-up the config does not set)."""
+        return TrainingPreset(
+            OptimizerConfig(type=OptimizerType.adam, lr=self.optimizer_lr, betas=list(self.optimizer_betas),
+                            eps=self.optimizer_eps, weight_decay=self.optimizer_weight_decay, grad_clip_norm=10.0,
+                            param_groups=[]),
+            SchedulerConfig(type=SchedulerType.diffuser_cosine, num_warmup_steps=self.scheduler_warmup_steps),
+        )
+
     def check_fields(self) -> None:
+        if self.scheduler_name != "cosine":
+            raise config_error(
+                "policy.scheduler_name", self.scheduler_name,
+                "is not a schedule lerobot_mg implements (diffusers' cosine, LeRobot's default, is)",
+                "policy.scheduler_name=cosine, or scheduler.type=<one of none, constant, cosine>",
+            )
         check_positive_ints(
             {
                 "n_obs_steps": self.n_obs_steps,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lerobot_mg.config.choices import FeatureType, NormalizationMode, check_choice
+from lerobot_mg.config.recipe import TrainingPreset
 from lerobot_mg.errors import config_error
 
 
@@ -123,6 +124,27 @@ class PolicyConfig:
         """Frame offsets of the action chunk each sample loads; the first may be negative (the chunk starts in the
         past). Its length is set by the field ``action_length_key`` names."""
         raise NotImplementedError(f"{type(self).__name__} does not say which action frames a sample holds")
+
+    def training_preset(self) -> TrainingPreset | None:
+        """The policy's training recipe, LeRobot's ``get_optimizer_preset()`` and ``get_scheduler_preset()`` in one
+        (None: the policy has none, and the unset optimizer.* / scheduler.* keys take lerobot_mg's defaults).
+
+        With ``use_policy_training_preset`` (true by default) it fills every optimizer.* / scheduler.* key the run's
+        config leaves unset (lerobot_mg.config.recipe). A subclass builds it from its own LeRobot fields, so that
+        ``policy.optimizer_lr=...`` changes it as in LeRobot, every field set: e.g. pi0's::
+
+            return TrainingPreset(
+                OptimizerConfig(type=OptimizerType.adamw, lr=self.optimizer_lr, betas=list(self.optimizer_betas),
+                                eps=self.optimizer_eps, weight_decay=self.optimizer_weight_decay,
+                                grad_clip_norm=self.optimizer_grad_clip_norm, param_groups=[]),
+                SchedulerConfig(type=SchedulerType.cosine_decay_with_warmup,
+                                num_warmup_steps=self.scheduler_warmup_steps,
+                                num_decay_steps=self.scheduler_decay_steps, decay_lr=self.scheduler_decay_lr))
+
+        A parameter group of its own (LeRobot's ``get_optim_params`` groups) is a ``ParamGroupConfig`` in
+        ``param_groups``; a policy without a schedule gives ``SchedulerConfig(type=SchedulerType.none)``.
+        """
+        return None
 
     def check_fields(self) -> None:
         """The policy's own checks (a subclass overrides it); the shared fields are checked by ``validate``."""

@@ -20,8 +20,6 @@ from lerobot_mg.config.choices import (
     CheckpointFormat,
     DatasetName,
     MixedPrecision,
-    OptimizerType,
-    SchedulerType,
     TorchDtype,
     WandbMode,
 )
@@ -29,6 +27,13 @@ from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.config.pi0 import PI0Config
 from lerobot_mg.config.pi05 import PI05Config
 from lerobot_mg.config.policy import PolicyConfig
+from lerobot_mg.config.recipe import (
+    OptimizerConfig,
+    RecipeRecord,
+    SchedulerConfig,
+    describe_recipe,
+    resolve_recipe,
+)
 from lerobot_mg.config.smolvla import SmolVLAConfig
 from lerobot_mg.errors import config_error
 
@@ -164,6 +169,11 @@ class DatasetConfig:
     # LeRobot's training rule: each camera is normalised with ImageNet's mean/std instead of the dataset's (what
     # pretrained vision backbones expect; LeRobot applies it to every backbone, and so do its checkpoints' files).
     use_imagenet_stats: bool = True
+    # Fine-tuning a base (policy.path) normalises with THIS dataset's statistics, as LeRobot's lerobot-train does:
+    # the base's processors are loaded and their normaliser statistics replaced (use_imagenet_stats applies too).
+    # true: keep the statistics saved with the base (its normaliser exactly as it was trained), e.g. to fine-tune on
+    # more data of the same robot and setup. A resume always keeps its own checkpoint's.
+    use_base_stats: bool = False
     # Held-out episodes, never trained on; their loss is evaluated every eval.freq steps (lerobot_mg.data.split):
     # a list of episode indices, or a count N (the dataset's last N episodes). null: no validation split.
     val_episodes: Any = None
@@ -175,25 +185,6 @@ class DatasetConfig:
         if self.repo_id is None or root_typed or self.name != DatasetName.embedded:
             return self
         return replace(self, name=DatasetName.lerobot, root=None)
-
-
-@dataclass
-class OptimizerConfig:
-    type: OptimizerType = OptimizerType.adamw
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 1e-4
-    grad_clip_norm: float = 10.0  # 0 disables clipping
-
-
-@dataclass
-class SchedulerConfig:
-    type: SchedulerType = SchedulerType.cosine  # stepped once per loop step
-    # Linear warm-up steps. Unless typed on the command line, they take at most a tenth of a run shorter than the
-    # default 2,000 steps (a resumed run keeps its saved schedule).
-    num_warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of optimizer.lr
 
 
 @dataclass
@@ -292,8 +283,15 @@ class TrainConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # LeRobot's switch, true as in LeRobot: the optimizer.* / scheduler.* keys the config leaves unset come from
+    # the policy's training preset (ACT: AdamW at 1e-5 with its backbone group; Diffusion: Adam, betas
+    # (0.95, 0.999), 500 warm-up steps; ...). A key the config sets wins (LeRobot would ignore it). false: the unset
+    # keys take lerobot_mg's defaults (AdamW at 1e-4, cosine with 100 warm-up steps). docs/training-recipe.md.
+    use_policy_training_preset: bool = True
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Written when the config is resolved (below), kept by a resume: which policy's preset gave which keys.
+    training_recipe: RecipeRecord | None = None
     ema: EMAConfig = field(default_factory=EMAConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trackio: TrackioConfig = field(default_factory=TrackioConfig)
@@ -318,6 +316,23 @@ class TrainConfig:
     # With plan=true: the memory of one rank's device, in GiB, to check the plan's fit against (None: this
     # machine's GPU, or its host RAM for a CPU run).
     plan_device_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        """Every typed run config holds its complete recipe: the optimizer.* / scheduler.* keys left unset are filled
+        here, once, from the policy's training preset (``use_policy_training_preset``) or the defaults
+        (lerobot_mg.config.recipe). A config read back from train_config.json (a resume) is complete already and
+        keeps the record of its first resolution; a requeued sweep job, composed again like its first attempt,
+        resolves to the same recipe."""
+        policy = self.policy if isinstance(self.policy, PolicyConfig) else None
+        preset = policy.training_preset() if policy is not None and self.use_policy_training_preset else None
+        self.optimizer, self.scheduler, record = resolve_recipe(
+            self.optimizer, self.scheduler, preset, None if policy is None else policy.type, self.steps)
+        if self.training_recipe is None:
+            self.training_recipe = record
+
+    def recipe_lines(self) -> list[str]:
+        """The optimizer and schedule this run trains with and where they came from, for the banner."""
+        return describe_recipe(self.optimizer, self.scheduler, self.training_recipe or RecipeRecord())
 
     def best_metric(self) -> BestMetric:
         """The metric ``checkpoint.keep_best`` ranks by: ``checkpoint.best_metric``, else the success rate where the

@@ -494,7 +494,7 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         "scheduler_type",
         [*VALID, "scheduler.type=linear"],
         1,
-        "scheduler.type='linear': must be one of none, constant, cosine",
+        "scheduler.type='linear': must be one of none, constant, cosine, diffuser_cosine, cosine_decay_with_warmup",
         "scheduler.type=none",
     ),
     (
@@ -703,6 +703,20 @@ VALIDATION_ROWS: list[tuple[str, list[str], int, str, str]] = [
         1,
         f"config_path='{PUSHT_SLICE / 'meta' / 'info.json'}': is only read when resuming",
         "resume=true, or remove config_path",
+    ),
+    (
+        "decay_steps_below_1",
+        [*VALID, "scheduler=cosine_decay_with_warmup", "scheduler.num_decay_steps=0"],
+        1,
+        "scheduler.num_decay_steps=0: must be >= 1",
+        "scheduler.num_decay_steps=30000",
+    ),
+    (
+        "param_group_lr_not_positive",
+        [*VALID, "optimizer.param_groups=[{match:model.backbone.,lr:0}]"],
+        1,
+        "optimizer.param_groups[0].lr=0.0: must be > 0 (null: optimizer.lr)",
+        "'optimizer.param_groups=[{match:model.backbone.,lr:1e-5}]', or optimizer.param_groups=[]",
     ),
 ]
 _IDS = {row.id for row in CATALOGUE}

@@ -186,11 +186,9 @@ def test_defaults_are_the_offline_single_process_run() -> None:
     cfg = _train_config([f"dataset.root={PUSHT_SLICE}"])
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (1, None)  # DDP over what was launched
     assert cfg.accelerator.mixed_precision == "no"
-    assert (cfg.checkpoint.format, cfg.dataset.name, cfg.scheduler.type) == (
-        "safetensors",
-        "embedded",
-        "cosine",
-    )
+    assert (cfg.checkpoint.format, cfg.dataset.name) == ("safetensors", "embedded")
+    # ACT's training preset (use_policy_training_preset): LeRobot's AdamW at 1e-5 without a schedule
+    assert (cfg.optimizer.lr, cfg.scheduler.type, cfg.training_recipe.preset) == (1e-5, "none", "act")
     assert cfg.logging.wandb.mode == "offline"
 
 

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from lerobot_mg.config.schema import OptimizerConfig, SchedulerConfig
+from lerobot_mg.config.recipe import OptimizerConfig, SchedulerConfig, resolve_recipe
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.optim import lr_factor, make_optimizer, make_scheduler
 from lerobot_mg.step import Stepper
@@ -29,8 +29,9 @@ class Regression(nn.Module):
 @pytest.mark.parametrize("scheduler_type", ["cosine", "constant"])
 def test_each_update_uses_the_lr_of_its_loop_step_and_torch_does_not_warn(scheduler_type: str) -> None:
     steps, accumulation = 12, 4
-    sched_cfg = SchedulerConfig(type=scheduler_type, num_warmup_steps=5, min_lr_ratio=0.1)
-    opt_cfg = OptimizerConfig(lr=1e-2)
+    opt_cfg, sched_cfg, _ = resolve_recipe(
+        OptimizerConfig(lr=1e-2), SchedulerConfig(type=scheduler_type, num_warmup_steps=5, min_lr_ratio=0.1),
+        preset=None, policy_type=None, steps=steps)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model = Regression()
@@ -50,7 +51,7 @@ def test_each_update_uses_the_lr_of_its_loop_step_and_torch_does_not_warn(schedu
             logs = stepper.step(batch)
             logged.append((logs.synced, logs.lr))
     update_steps = [step for step in range(steps) if (step + 1) % accumulation == 0]  # loop steps 3, 7, 11
-    expected = [opt_cfg.lr * lr_factor(sched_cfg, step, steps) for step in update_steps]
+    expected = [opt_cfg.lr * lr_factor(sched_cfg, opt_cfg.lr, step, steps) for step in update_steps]
     assert update_lrs == pytest.approx(expected, rel=1e-12)
     assert [lr for synced, lr in logged if synced] == pytest.approx(expected, rel=1e-12)  # what the ledger records
     if scheduler_type == "cosine":  # the schedule moved between updates: a stale lr would not match

@@ -123,9 +123,9 @@ def test_an_lr_override_on_resume_takes_effect(six_steps: Path, tmp_path: Path) 
     run_dir = shutil.copytree(six_steps, tmp_path / "run", symlinks=True)
     config = run_dir / "checkpoints" / "000004" / "pretrained_model" / "train_config.json"
     run_train(["resume=true", f"config_path={config}", "steps=6", "optimizer.lr=3e-4"])
-    # Steps 5 and 6 of the first attempt are superseded by the resume's.
+    # Steps 5 and 6 of the first attempt (at ACT's preset lr, 1e-5) are superseded by the resume's.
     lrs = [(m["step"], m["lr"]) for m in interval_metrics(run_dir)]
-    assert lrs == [(1, 1e-4), (2, 1e-4), (3, 1e-4), (4, 1e-4), (5, 3e-4), (6, 3e-4)]
+    assert lrs == [(1, 1e-5), (2, 1e-5), (3, 1e-5), (4, 1e-5), (5, 3e-4), (6, 3e-4)]
 
 
 def test_dataloader_workers_do_not_change_the_run(six_steps: Path, tmp_path: Path) -> None:
