@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from lerobot_mg.config.choices import NormalizationMode
 from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.recipe import TrainingPreset, flow_matching_preset
 from lerobot_mg.errors import config_error
 
 GEMMA_VARIANTS = ("gemma_300m", "gemma_2b")
@@ -162,6 +163,10 @@ class PI0Config(PolicyConfig):
     # full-size network. A pretrained base's weights only load into the sizes they were saved with.
     dimension_overrides: dict[str, dict[str, int | None]] = field(default_factory=_no_dimension_overrides)
     tokenizer_name: str | None = None
+
+    def training_preset(self) -> TrainingPreset:
+        """LeRobot's: AdamW at optimizer_*, cosine decay with warm-up at scheduler_* (see flow_matching_preset)."""
+        return flow_matching_preset(self)
 
     @property
     def action_delta_indices(self) -> list[int]:

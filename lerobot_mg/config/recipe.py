@@ -114,6 +114,18 @@ DEFAULT_SCHEDULER = SchedulerConfig(type=SchedulerType.cosine, num_warmup_steps=
                                     num_decay_steps=30_000, decay_lr=2.5e-6)
 
 
+def flow_matching_preset(policy: object) -> TrainingPreset:
+    """LeRobot 0.6.1's recipe of its flow-matching VLAs (pi0, pi0.5, SmolVLA; their config classes differ only in
+    the numbers): AdamW at the policy's ``optimizer_*`` fields, ``cosine_decay_with_warmup`` at its
+    ``scheduler_*`` fields, peaking at ``optimizer_lr``."""
+    return TrainingPreset(
+        OptimizerConfig(type=OptimizerType.adamw, lr=policy.optimizer_lr, betas=list(policy.optimizer_betas),
+                        eps=policy.optimizer_eps, weight_decay=policy.optimizer_weight_decay,
+                        grad_clip_norm=policy.optimizer_grad_clip_norm, param_groups=[]),
+        SchedulerConfig(type=SchedulerType.cosine_decay_with_warmup, num_warmup_steps=policy.scheduler_warmup_steps,
+                        num_decay_steps=policy.scheduler_decay_steps, decay_lr=policy.scheduler_decay_lr))
+
+
 def _keys(group: str) -> list[str]:
     config = OptimizerConfig if group == "optimizer" else SchedulerConfig
     return [f"{group}.{f.name}" for f in fields(config)]

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from lerobot_mg.config.choices import NormalizationMode
 from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.recipe import TrainingPreset, flow_matching_preset
 from lerobot_mg.errors import config_error
 
 # The VLM SmolVLA is built on (LeRobot's default), whose architecture lerobot_mg holds in code.
@@ -137,6 +138,10 @@ class SmolVLAConfig(PolicyConfig):
     def observation_delta_indices(self) -> list[int]:
         """The current frame only, with a time axis of 1 (as LeRobot loads SmolVLA's observations)."""
         return [0]
+
+    def training_preset(self) -> TrainingPreset:
+        """LeRobot's: AdamW at optimizer_*, cosine decay with warm-up at scheduler_* (see flow_matching_preset)."""
+        return flow_matching_preset(self)
 
     @property
     def action_delta_indices(self) -> list[int]:
