@@ -85,7 +85,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
                                      cache_dir=dataset.cache_dir)
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's
     preprocessor, postprocessor = processors_for(cfg.policy, policy, dataset.stats, saved_processors,
-                                                 camera_keys(meta.features) if cfg.dataset.use_imagenet_stats else ())
+                                                 camera_keys(meta.features) if cfg.dataset.use_imagenet_stats else (),
+                                                 saved_stats=resume is not None or cfg.dataset.use_base_stats)
     preprocessor = preprocessor.to(accelerator.device)
     # Before the optimizer exists: it must see the sharded parameters of the wrap units.
     prepare_units(accelerator, policy, cfg.accelerator, dims)  # collective: checkpointing, compile, sharding

@@ -246,6 +246,8 @@ def merge_resume_config(composed: DictConfig, overrides: list[str]) -> DictConfi
             f"config_path={composed.config_path!r}: does not match this version's config schema ({error}). Fix: "
             "resume with the lerobot_mg version that wrote it, or start a new run"
         ) from error
+    if "training_recipe" not in saved:  # written before policy presets: keep the defaults that run trained with
+        merged.use_policy_training_preset = False
     saved_type = merged.policy.type
     if composed.policy.type != saved_type and {"policy", "policy.type"} & set(override_keys(overrides)):
         raise config_error(

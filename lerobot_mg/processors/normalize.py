@@ -250,11 +250,26 @@ def load_processors(directory: Path) -> tuple[PolicyProcessorPipeline, PolicyPro
 
 
 def processors_for(policy_cfg: Any, policy: Any, stats: dict[str, dict[str, StatValue]], saved_dir: Path | None,
-                   imagenet_cameras: Collection[str] = ()) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
-    """A run's (preprocessor, postprocessor): those saved in ``saved_dir`` (the checkpoint it resumes, or the base it
-    fine-tunes: the statistics those weights were trained with), else new ones on this dataset's ``stats``, the
-    ``imagenet_cameras``' mean/std replaced by ImageNet's."""
+                   imagenet_cameras: Collection[str] = (), saved_stats: bool = True,
+                   ) -> tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]:
+    """A run's (preprocessor, postprocessor): new ones on this dataset's ``stats`` (the ``imagenet_cameras``'
+    mean/std replaced by ImageNet's) when ``saved_dir`` is None; else those saved in ``saved_dir`` (the checkpoint
+    it resumes, or the base it fine-tunes), with the statistics saved there when ``saved_stats`` (a resume, or
+    ``dataset.use_base_stats``), else with this dataset's, as LeRobot's lerobot-train fine-tunes: the base's
+    steps, tokenizer included, with the (un)normaliser rebuilt on this dataset's statistics and the policy's
+    features and normalisation mapping."""
+    dataset_stats = with_imagenet_stats(stats, imagenet_cameras)
     if saved_dir is None:
-        return make_processors(policy_cfg, policy.input_features, policy.output_features,
-                               with_imagenet_stats(stats, imagenet_cameras))
-    return load_processors(saved_dir)
+        return make_processors(policy_cfg, policy.input_features, policy.output_features, dataset_stats)
+    pipelines = load_processors(saved_dir)
+    if not saved_stats:
+        norm_map = {str(key): str(getattr(value, "value", value))
+                    for key, value in dict(policy_cfg.normalization_mapping).items()}
+        features = ({**policy.input_features, **policy.output_features}, policy.output_features)
+        for pipeline, step_class, step_features in zip(pipelines, (NormalizerStep, UnnormalizerStep), features,
+                                                       strict=True):
+            saved = pipeline.step(step_class)
+            pipeline.steps[pipeline.steps.index(saved)] = step_class(
+                step_features, norm_map, dataset_stats, eps=saved.eps,
+                normalize_observation_keys=saved.normalize_observation_keys)
+    return pipelines
