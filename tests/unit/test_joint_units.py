@@ -92,7 +92,7 @@ def test_checkpointing_the_vlm_layer_recomputes_the_nested_expert_layer_with_the
     for _, block in plan.checkpointed:
         checkpoint_activations(block)
     calls = []
-    policy.expert_layers[0].register_forward_hook(lambda module, args, out: calls.append("expert 0"))
+    policy.expert_layers[0].register_forward_pre_hook(lambda module, args: calls.append("expert 0"))
     batch = toy_batch(1)
     loss, _ = policy(batch)
     assert calls == ["expert 0"]
