@@ -291,11 +291,11 @@ def prepare_units(
 def _shard(accelerator: Accelerator, model: nn.Module, plan: UnitPlan) -> None:
     """Check the wrap units for split ties and shard them with the arguments accelerate gives the root: the
     policy's unit groups (one ``fully_shard`` over each group's modules), then the single-module units, bottom-up
-    (a unit nested in a group member goes before its group)."""
+    (a unit nested in a group member goes before its group), then the modules of unused parameters alone."""
     from accelerate.utils.fsdp_utils import get_parameters_from_modules
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ties = find_split_ties(model, plan.units, plan.groups)
+    ties = find_split_ties(model, plan.units + plan.idle, plan.groups)
     if ties:
         raise ConfigError(
             "FSDP cannot split tied weights across wrap units, and these parameters would be split: "
@@ -324,6 +324,8 @@ def _shard(accelerator: Accelerator, model: nn.Module, plan: UnitPlan) -> None:
     for name, unit in plan.units:
         if (name, unit) not in inside:
             fully_shard(unit, **kwargs)
+    for _, unit in plan.idle:
+        fully_shard(unit, **kwargs)
 
 
 def _upcast_trainable(model: nn.Module, log: bool) -> None:

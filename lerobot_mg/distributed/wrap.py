@@ -59,6 +59,9 @@ class UnitPlan:
     checkpointed: NamedModules  # blocks whose activations are recomputed in backward
     compiled: NamedModules  # modules whose forward torch.compile compiles
     groups: list[UnitGroup] = field(default_factory=list)  # the policy's fsdp_unit_groups(), sharded first
+    # Modules holding only parameters the policy declares unused (unused_parameter_names), outside every other
+    # unit: sharded as units of their own, which no pass ever calls, so they are never gathered.
+    idle: NamedModules = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """Log lines: the joint units, the units and their rule, then how many modules each transform applies to,
@@ -71,6 +74,9 @@ class UnitPlan:
         if self.units:
             what = "FSDP wrap units" if self.sharded else "wrap units (not sharded)"
             lines.append(f"{what} ({self.rule}): {len(self.units)} units, e.g. {self.units[-1][0]}")
+        if self.idle and self.sharded:
+            lines.append(f"never gathered (unused parameters, in checkpoints only): {len(self.idle)} units, e.g. "
+                         f"{self.idle[-1][0]}")
         for what, modules in (("activation checkpointing", self.checkpointed), ("torch.compile", self.compiled)):
             if modules:
                 lines.append(f"{what}: {len(modules)} modules, e.g. {modules[-1][0]}")
@@ -108,7 +114,32 @@ def plan_units(model: nn.Module, acc_cfg: AcceleratorConfig, sharded: bool) -> U
             f"accelerator.compile=True: {type(policy_of(model)).__name__} has no wrap unit and no submodule with parameters, so "
             "nothing would be compiled. Fix: accelerator.fsdp.wrap_modules='[\"MyBlock\"]', or accelerator.compile=false"
         )
-    return UnitPlan(units, rule, sharded, checkpointed, compiled, groups)
+    idle = idle_modules(model, units, groups) if sharded else []
+    return UnitPlan(units, rule, sharded, checkpointed, compiled, groups, idle)
+
+
+def idle_modules(model: nn.Module, units: NamedModules, groups: list[UnitGroup]) -> NamedModules:
+    """The outermost modules all of whose parameters the policy declares unused (``unused_parameter_names``) and
+    that no unit or group already holds (pi0's language-model heads): each can be a unit that is never gathered."""
+    declare = getattr(policy_of(model), "unused_parameter_names", None)
+    unused = set(declare() if declare is not None else [])
+    if not unused:
+        return []
+    prefix = "" if policy_of(model) is model else _prefix_of(model, policy_of(model))
+    unused = {f"{prefix}{name}" for name in unused}
+    taken = [name for name, _ in units] + [name for group in groups for name in group.names]
+    candidates = [
+        (name, module) for name, module in model.named_modules()
+        if name and any(True for _ in module.parameters())
+        and all(f"{name}.{param_name}" in unused for param_name, _ in module.named_parameters())
+        and not any(name == other or name.startswith(f"{other}.") or other.startswith(f"{name}.") for other in taken)
+    ]
+    return outermost(candidates)
+
+
+def _prefix_of(model: nn.Module, inner: nn.Module) -> str:
+    """``"base_model.model."``-style: the name of ``inner`` in ``model`` with a trailing dot."""
+    return next(f"{name}." for name, module in model.named_modules() if module is inner)
 
 
 def declared_groups(model: nn.Module) -> list[UnitGroup]:

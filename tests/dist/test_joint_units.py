@@ -150,6 +150,12 @@ def scenario(dp_replicate: int, dp_shard: int, out_dir: Path) -> dict[str, Any]:
     del other, state, reloaded
 
     watch = GatherWatch(policy)
+    heads = [policy.model.paligemma_with_expert.paligemma.lm_head, policy.model.paligemma_with_expert.gemma_expert.lm_head]
+    gathered_heads: list[str] = []
+    for head in heads:  # never called, so never gathered (FSDPModule.unshard is what a pre-forward calls)
+        group = head._get_fsdp_state()._fsdp_param_group
+        group.unshard = lambda *args, original=group.unshard, **kwargs: (gathered_heads.append("lm_head"),
+                                                                          original(*args, **kwargs))[1]
     batch = toy_batch(7, GLOBAL_BATCH)
     mine = _local(batch, dp_rank, dp_world)
     # Training: both streams in one pass, this rank's share of the global batch.
@@ -207,6 +213,7 @@ def scenario(dp_replicate: int, dp_shard: int, out_dir: Path) -> dict[str, Any]:
         expected_trained = {name: expected[name] for name in trained}
         result["weight_problems"] = assert_free(trained, expected_trained)
     watch.take()
+    result["gathered_heads"] = gathered_heads
     return result
 
 
@@ -272,6 +279,7 @@ def test_loss_gradients_and_actions_equal_one_process(layout: list[dict[str, Any
         assert abs(result["loss"] - result["expected_loss"]) <= FIRST_UPDATE_RTOL * abs(result["expected_loss"])
         assert result["grad_problems"] == []
         assert all(grad is None for grad in result["frozen_grads"].values()), result["frozen_grads"]
+        assert result["gathered_heads"] == []  # the unused heads' own units: sharded throughout
         assert result["chunk_max_diff"] <= 1e-5
 
 

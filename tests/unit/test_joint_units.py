@@ -33,9 +33,14 @@ def test_each_joint_layer_is_one_unit_beside_the_vision_layers() -> None:
         "model.paligemma_with_expert.paligemma.model.vision_tower.layers.0",
         "model.paligemma_with_expert.paligemma.model.vision_tower.layers.1",
     ]
+    # The language-model heads (declared unused) are units of their own, which no pass calls.
+    assert [name for name, _ in plan.idle] == ["model.paligemma_with_expert.paligemma.lm_head",
+                                               "model.paligemma_with_expert.gemma_expert.lm_head"]
     lines = plan.describe()
     assert lines[0] == (f"joint units: 3 ({VLM}.i + {EXPERT}.i), e.g. {VLM}.2 + {EXPERT}.2")
     assert lines[1].startswith("FSDP wrap units (ToyJointPolicy._fsdp_wrap_modules=['ToyVisionLayer']): 2 units")
+    assert lines[2] == ("never gathered (unused parameters, in checkpoints only): 2 units, e.g. "
+                        "model.paligemma_with_expert.gemma_expert.lm_head")
 
 
 def test_joint_units_need_no_class_rule() -> None:
