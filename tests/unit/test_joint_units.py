@@ -19,14 +19,14 @@ from lerobot_mg.distributed.wrap import (
     freeze_unused,
     plan_units,
 )
-from tests.joint_toy import ToyJointPolicy, toy_batch
+from tests.joint_toy import Sizes, ToyJointPolicy, toy_batch
 
 VLM = "model.paligemma_with_expert.paligemma.model.language_model.layers"
 EXPERT = "model.paligemma_with_expert.gemma_expert.model.layers"
 
 
 def test_each_joint_layer_is_one_unit_beside_the_vision_layers() -> None:
-    policy = ToyJointPolicy(num_layers=3)
+    policy = ToyJointPolicy(Sizes(num_layers=3))
     plan = plan_units(policy, AcceleratorConfig(), sharded=True)
     assert [group.names for group in plan.groups] == [(f"{VLM}.{i}", f"{EXPERT}.{i}") for i in range(3)]
     assert [name for name, _ in plan.units] == [
