@@ -167,12 +167,15 @@ class Lockstep:
     """Calls of a sharded model that every rank makes together (each forward gathers units: a collective).
 
     Each call first agrees with the other ranks that some rank needs a forward; :meth:`drain`, called by a rank
-    whose share is done, keeps answering with the same forward on its last input until no rank needs one. So ranks
+    whose share is done, keeps answering with the same forward on its last input (the policy's ``example_batch``
+    if its share failed before its first call) until no rank needs one. So ranks
     with different numbers of forwards (episodes of different lengths, uneven shares) never wait on each other.
     Collective: every rank of the group goes through the same sequence of agreements."""
 
-    def __init__(self, forward: Callable[..., Any], device: torch.device) -> None:
+    def __init__(self, forward: Callable[..., Any], device: torch.device,
+                 example: Callable[[], dict[str, torch.Tensor]]) -> None:
         self.forward, self.device = forward, device
+        self.example = example  # an input for a rank that never had one (its share failed before its first call)
         self.last: tuple[Any, ...] | None = None
 
     def _agree(self, wants: bool) -> bool:
@@ -190,7 +193,7 @@ class Lockstep:
         """Keep pace with the other ranks until none needs a forward (results dropped)."""
         while self._agree(False):
             if self.last is None:
-                raise RuntimeError("a sharded evaluation needs this rank's forward, but this rank never had an input")
+                self.last = (self.example(),)
             self.forward(*self.last)
 
 
@@ -336,8 +339,13 @@ class Evaluator:
         share, what = RankShare(rank), f"rank {rank}"
         policy = self.policy
         preprocessor, postprocessor = (copy.deepcopy(p).to(self.device) for p in self.processors)
+
+        def example() -> dict[str, torch.Tensor]:
+            with torch.device(self.device):
+                return policy.example_batch(1)
+
         if self.val is not None:
-            forward = Lockstep(policy, self.device)
+            forward = Lockstep(policy, self.device, example)
             try:
                 what = f"rank {rank} (validation loss)"
                 share.val_sums = self.val.loss_sums(forward, preprocessor, self.device, rank, world,
@@ -348,7 +356,7 @@ class Evaluator:
             forward.drain()
         if self.seeds:
             mine = self.seeds[rank::world] or [self.seeds[-1] + 1 + rank]  # an extra seed, dropped: see the docstring
-            predict = Lockstep(policy.predict_action_chunk, self.device)
+            predict = Lockstep(policy.predict_action_chunk, self.device, example)
             own = "predict_action_chunk" in vars(policy)  # FSDP's registered method, else the class's
             policy.predict_action_chunk = predict
             try:

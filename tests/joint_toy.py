@@ -260,8 +260,14 @@ class ToyJointPolicy(nn.Module):
                 "model.paligemma_with_expert.gemma_expert.lm_head.weight"]
 
     def example_batch(self, batch_size: int) -> dict[str, Tensor]:
-        """A batch of meta tensors (shapes only), for the memory plan's activation estimate."""
-        return toy_batch(0, batch_size, self.sizes, device="meta")
+        """Zeros on the current default device (the memory plan's activation estimate makes them on meta)."""
+        sizes = self.sizes
+        return {"images": torch.zeros(batch_size, sizes.num_patches, sizes.patch_dim),
+                "tokens": torch.zeros(batch_size, sizes.num_tokens, dtype=torch.long),
+                "state": torch.zeros(batch_size, sizes.max_state_dim),
+                "noise": torch.zeros(batch_size, sizes.chunk, sizes.max_action_dim),
+                "time": torch.full((batch_size,), 0.5),
+                "action": torch.zeros(batch_size, sizes.chunk, sizes.max_action_dim)}
 
     # --- the passes -------------------------------------------------------------------------------------------
 
@@ -326,24 +332,14 @@ class ToyJointPolicy(nn.Module):
         return x
 
 
-def toy_batch(seed: int, batch_size: int = 4, sizes: Sizes = Sizes(),
-              device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """A batch of :class:`ToyJointPolicy`, its noise and time included, from ``seed`` alone (on the meta device:
-    shapes only)."""
+def toy_batch(seed: int, batch_size: int = 4, sizes: Sizes = Sizes()) -> dict[str, Tensor]:
+    """A batch of :class:`ToyJointPolicy`, its noise and time included, from ``seed`` alone."""
     generator = torch.Generator().manual_seed(seed)
-    batch = {
+    return {
         "images": torch.randn(batch_size, sizes.num_patches, sizes.patch_dim, generator=generator),
         "tokens": torch.randint(0, sizes.vocab, (batch_size, sizes.num_tokens), generator=generator),
         "state": torch.randn(batch_size, sizes.max_state_dim, generator=generator),
         "noise": torch.randn(batch_size, sizes.chunk, sizes.max_action_dim, generator=generator),
         "time": torch.rand(batch_size, generator=generator) * 0.9 + 0.05,
         "action": torch.randn(batch_size, sizes.chunk, sizes.max_action_dim, generator=generator),
-    } if device != "meta" else {
-        "images": torch.empty(batch_size, sizes.num_patches, sizes.patch_dim),
-        "tokens": torch.empty(batch_size, sizes.num_tokens, dtype=torch.long),
-        "state": torch.empty(batch_size, sizes.max_state_dim),
-        "noise": torch.empty(batch_size, sizes.chunk, sizes.max_action_dim),
-        "time": torch.empty(batch_size),
-        "action": torch.empty(batch_size, sizes.chunk, sizes.max_action_dim),
     }
-    return {key: value.to(device) for key, value in batch.items()}

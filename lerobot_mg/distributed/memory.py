@@ -354,7 +354,7 @@ def unit_sizes(model: nn.Module, plan: UnitPlan) -> tuple[UnitSize, list[UnitSiz
 class ActivationEstimate:
     """Bytes saved for backward by one forward of a micro-batch (an estimate; see the module docstring)."""
 
-    total: int
+    total: int | None  # None: not estimated (``how`` says why)
     how: str
 
 
@@ -390,6 +390,9 @@ def estimate_activations(policy: nn.Module, batch_size: int, blocks: list[nn.Mod
     try:
         with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             policy(make_batch(batch_size))
+    except (NotImplementedError, RuntimeError) as error:  # an op without a meta kernel, data read on the host
+        return ActivationEstimate(None, f"not estimated: {type(policy).__name__}'s forward does not run on the meta "
+                                        f"device ({type(error).__name__}: {str(error).splitlines()[0]})")
     finally:
         for handle in handles:
             handle.remove()
@@ -418,8 +421,12 @@ class TransientBytes:
 
     def describe(self) -> list[str]:
         mib = 2**20
-        activations = ("activations: not estimated (the policy defines no example_batch)" if self.activations is None
-                       else f"activations (estimate): {self.activations.total / mib:.3f} MiB ({self.activations.how})")
+        if self.activations is None:
+            activations = "activations: not estimated (the policy defines no example_batch)"
+        elif self.activations.total is None:
+            activations = f"activations: {self.activations.how}"
+        else:
+            activations = f"activations (estimate): {self.activations.total / mib:.3f} MiB ({self.activations.how})"
         return [f"gathered at the peak: {self.gathered / mib:.3f} MiB ({self.gathered_what})", activations,
                 f"evaluation copy: {self.evaluation / mib:.3f} MiB ({self.evaluation_what})",
                 f"accumulation window: {self.accumulation / mib:.3f} MiB ({self.accumulation_what})"]
@@ -517,7 +524,8 @@ def plan_table(plans: list[tuple[str, MemoryPlan]]) -> list[str]:
     for label, plan in plans:
         held, extra = plan.busiest, plan.transient
         assert extra is not None
-        activations = "n/a" if extra.activations is None else f"{extra.activations.total / gib:.2f}"
+        estimate = None if extra.activations is None else extra.activations.total
+        activations = "n/a" if estimate is None else f"{estimate / gib:.2f}"
         lines.append(f"| {label} | {held.parameters / gib:.2f} | {held.gradients / gib:.2f} | "
                      f"{held.optimizer_state / gib:.2f} | {held.total / gib:.2f} | {extra.gathered / gib:.2f} | "
                      f"{activations} | {extra.evaluation / gib:.2f} | {extra.accumulation / gib:.2f} |")

@@ -189,6 +189,22 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
         checkpoints and LeRobot's loading are unchanged by the grouping."""
         return []
 
+    def example_batch(self, batch_size: int) -> dict[str, Tensor]:
+        """A normalised training batch of ``batch_size`` zeros, made on the current default device (``with
+        torch.device("meta")``: shapes only): every input feature (with its observation history), the action chunk
+        and its padding mask. The memory plan runs it through a meta-device copy of the policy to estimate the
+        activations; a sharded evaluation uses it to keep pace when a rank has no observation of its own. A policy
+        that reads other keys (language tokens) extends it."""
+        history = self.config.observation_delta_indices
+        steps = [] if history is None else [len(history)]
+        chunk = len(self.config.action_delta_indices)
+        batch = {key: torch.zeros(batch_size, *steps, *spec["shape"]) for key, spec in self.input_features.items()}
+        for key, spec in self.output_features.items():
+            batch[key] = torch.zeros(batch_size, chunk, *spec["shape"])
+        batch["action_is_pad"] = torch.zeros(batch_size, chunk, dtype=torch.bool)
+        batch[SAMPLE_SEED_KEY] = torch.arange(batch_size, device="cpu")  # read on the host (lerobot_mg.step)
+        return batch
+
     def unused_parameter_names(self) -> list[str]:
         """Names (as in ``named_parameters()``) of parameters the training loss never reads, so they never receive
         a gradient: pi0's and pi0.5's language-model heads, which LeRobot builds and saves but never calls.

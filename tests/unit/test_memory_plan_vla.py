@@ -100,6 +100,7 @@ def test_checkpointing_shrinks_the_activation_estimate() -> None:
         recomputed = _plan(checkpointed, 1, 2, ToyJointPolicy(sizes)).transient
     assert full is not None and recomputed is not None
     assert full.activations is not None and recomputed.activations is not None
+    assert full.activations.total is not None and recomputed.activations.total is not None
     assert recomputed.activations.total < full.activations.total
     assert "4 checkpointed blocks" in recomputed.activations.how
 
