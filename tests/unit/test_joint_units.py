@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from lerobot_mg.config.schema import AcceleratorConfig
+from lerobot_mg.distributed.accelerator import accumulation_plugin
+from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import (
     checkpoint_activations,
     declared_groups,
@@ -110,3 +112,12 @@ def test_checkpointing_the_vlm_layer_recomputes_the_nested_expert_layer_with_the
         assert (param.grad is None) == (want.grad is None), name
         if want.grad is not None:
             torch.testing.assert_close(param.grad, want.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_sharded_accumulation_reduce_scatters_every_micro_batch_and_ddp_keeps_no_sync() -> None:
+    """accelerate enters ``no_sync`` (full unsharded gradients on every rank under FSDP2) unless ``sync_each_batch``;
+    a sharded layout sets it, DDP keeps its one all-reduce per window (tests/dist/test_joint_units.py measures what a
+    rank holds inside the window)."""
+    for (replicate, shard, world), sharded in (((2, 1, 2), False), ((1, 2, 2), True), ((2, 2, 4), True)):
+        plugin = accumulation_plugin(4, ParallelDims.resolve(replicate, shard, world, launched=True))
+        assert plugin.num_steps == 4 and plugin.sync_each_batch is sharded
