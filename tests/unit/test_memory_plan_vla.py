@@ -116,3 +116,13 @@ def test_print_the_pi0_table(capsys: pytest.CaptureFixture[str]) -> None:
     table = plan_table(rows)
     print("\n".join(table))
     assert len(table) == 2 + 12
+    cells = {row.split(" | ")[0].lstrip("| "): row.strip(" |").split(" | ")[1:] for row in table[2:]}
+    for words in ("fp32", "bf16"):
+        whole = cells[f"1 process {words}"]
+        assert whole[4] == "0.00" and whole[6] == "15.01"  # nothing gathered; a whole fp32 copy to evaluate
+        for n in (2, 4, 8, 16):
+            sharded = cells[f"FSDP-{n} {words}"]
+            assert abs(float(sharded[3]) - float(whole[3]) / n) <= 0.01  # persistent: 1/N of one process's
+            assert sharded[6] == "0.00" and sharded[7] == "0.00"  # no evaluation copy, no window beyond .grad
+        assert float(cells[f"HSDP 2x8 {words}"][7]) > 0  # the shard waiting for the replica all-reduce
+    assert float(cells["FSDP-2 bf16"][4]) * 2 == pytest.approx(float(cells["FSDP-2 fp32"][4]), abs=0.011)
