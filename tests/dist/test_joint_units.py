@@ -314,7 +314,7 @@ def test_accumulation_keeps_gradients_sharded_and_trains_like_the_bigger_batch(l
     for result in layout:
         # One micro-batch into each window: at most 1/dp_shard of the trainable elements (torch.chunk rounds up a
         # little; the last VLM layer's unread outputs give its o_proj and MLP no gradient at all). Under no_sync
-        # every rank would hold the full gradients: 0.70 of the elements for this policy.
+        # every rank would hold the full gradient of every parameter that gets one: dp_shard times as much.
         assert len(result["window_grad_fraction"]) == WINDOWS
         assert all(0 < fraction <= 1 / 2 + 0.02 for fraction in result["window_grad_fraction"]), result
     assert layout[0]["weight_problems"] == []
