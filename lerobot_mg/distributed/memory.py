@@ -19,7 +19,27 @@ What the plan counts, per rank, as the trainer builds it:
   under FSDP2/HSDP a rank holds 1/dp_shard of what a DDP rank holds.
 
 Mixed precision does not shrink any of them (the master weights, their gradients, the moments and the EMA stay fp32);
-it shrinks activations and the gathered copy of a unit during its forward, which this account leaves out.
+it shrinks activations and the gathered copy of a unit during its forward.
+
+Beyond that persistent state, the plan also counts per rank what a step or an evaluation holds for a while
+(:class:`TransientBytes`):
+
+- gathered at the peak (sharded runs): FSDP2 keeps the root unit (parameters outside every unit) gathered from the
+  first forward to the end of backward, with its unsharded gradients, and holds two units at once (the one
+  computing and the next, prefetched) plus one unit's unsharded gradients before their reduce-scatter, all in the
+  compute dtype (``bf16``/``fp16`` under mixed precision). The largest unit decides; a joint unit counts both of
+  its layers. Units of unused parameters are never gathered;
+- activations, an estimate: the bytes autograd saves for backward in one forward of ``batch_size`` samples (each
+  saved storage once, parameters left out), measured by running the policy's ``example_batch`` through a meta-device
+  copy of it (no memory, no computation), fp32 tensors at the compute dtype's size under mixed precision; with
+  activation checkpointing the checkpointed blocks keep nothing but one block is recomputed at a time. A policy
+  without ``example_batch`` gets no estimate;
+- the evaluation copy: an unsharded layout evaluates a full copy of the weights (one per rank); a sharded one
+  evaluates through the sharded model, one unit gathered at a time, and holds at most the shards the EMA's averages
+  are swapped in for (``ema.use_for_eval``);
+- the accumulation window (``gradient_accumulation.steps`` > 1): gradients stay in ``.grad`` (sharded under
+  FSDP2/HSDP: every micro-batch reduce-scatters); HSDP also keeps this rank's reduce-scattered shard of the window
+  until the replica all-reduce of its last micro-batch.
 """
 
 from __future__ import annotations
@@ -35,11 +55,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.distributed.device import use_cpu
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
-from lerobot_mg.distributed.wrap import plan_units
+from lerobot_mg.distributed.wrap import UnitPlan, freeze_unused, plan_units
 from lerobot_mg.errors import config_error
 
 ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -197,6 +218,9 @@ class MemoryPlan:
     # What the plan=true printout checks the fit against (None: not checked, e.g. a GPU plan made without a GPU).
     budget: MemoryBudget | None = None
     ema: bool = False  # ema.enable: each rank holds the average of its trainable shards
+    transient: TransientBytes | None = None  # what a step or an evaluation holds for a while, per rank
+    num_parameters: int = 0  # of the policy, each tied parameter once
+    joint_units: str = ""  # UnitPlan.describe()'s joint-unit line, "" without groups
 
     @property
     def on_device(self) -> bool:
@@ -223,8 +247,11 @@ class MemoryPlan:
         mib = 2**20
         where = "device" if self.on_device else "host RAM"
         lines = [f"memory plan: {self.topology.describe()}; {self.batch.describe()}",
-                 f"  wrap units ({self.unit_rule}): {len(self.units)}" + (f", e.g. {self.units[-1]}" if self.units
-                                                                            else "")]
+                 f"  parameters: {self.num_parameters:,}"]
+        if self.joint_units:
+            lines.append(f"  {self.joint_units}")
+        lines.append(f"  wrap units ({self.unit_rule}): {len(self.units)}" + (f", e.g. {self.units[-1]}" if self.units
+                                                                               else ""))
         # Beyond 8 ranks, the ranks that hold the same bytes share a line (not one line per rank of a large world).
         groups: dict[RankBytes, list[int]] = {}
         for rank, held in enumerate(self.per_rank):
@@ -235,6 +262,8 @@ class MemoryPlan:
                   f"{held.trainable_parameters / mib:.3f}) + gradients {held.gradients / mib:.3f} + optimizer state "
                   f"{held.optimizer_state / mib:.3f}" + (f" + EMA {held.ema / mib:.3f}" if held.ema else "")
                   + f" = {held.total / mib:.3f} MiB" for label, held in labelled]
+        if self.transient is not None:
+            lines += [f"  {line}" for line in self.transient.describe()]
         if self.budget is None:
             lines.append("  fit: not checked (no GPU here to compare with): plan_device_memory_gib=<GiB of one GPU>")
         else:
@@ -259,15 +288,190 @@ def plan_memory(cfg: TrainConfig, dims: ParallelDims, policy: nn.Module) -> Memo
     """The plan of ``cfg`` on the layout ``dims`` for ``policy``, the run's policy built on the meta device (no
     memory, no process group; :func:`lerobot_mg.preflight.preflight` builds it once per start)."""
     acc = cfg.accelerator
+    freeze_unused(policy)  # as the trainer does before its optimizer exists (unused_parameter_names)
     units = plan_units(policy, acc, dims.is_sharded)
     upcast = dims.is_sharded and acc.mixed_precision != "no"
     facts = param_facts(policy, acc.fsdp.ignored_modules if dims.is_sharded else None)
     per_rank = tuple(planned_rank_bytes(facts, dims.dp_shard, rank % dims.dp_shard, upcast, cfg.ema.enable)
                      for rank in range(dims.world_size))
+    joint = next((line for line in units.describe() if line.startswith("joint units")), "")
     return MemoryPlan(dims.topology, per_rank, not use_cpu(acc), dims.is_sharded and acc.fsdp.cpu_offload,
                       tuple(name for name, _ in units.units), units.rule,
                       BatchArithmetic(cfg.batch_size, dims.dp_world_size, acc.gradient_accumulation.steps),
-                      tuple(facts), upcast, ema=cfg.ema.enable)
+                      tuple(facts), upcast, ema=cfg.ema.enable,
+                      transient=transient_bytes(policy, units, cfg, dims, per_rank),
+                      num_parameters=sum(p.numel() for p in policy.parameters()), joint_units=joint)
+
+
+# --- what a step or an evaluation holds for a while ----------------------------------------------------------------
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def compute_bytes(cfg: TrainConfig, sharded: bool) -> int | None:
+    """Bytes of one element in the forward's compute dtype under FSDP2 mixed precision (None: the parameters' own)."""
+    acc = cfg.accelerator
+    if not sharded or acc.mixed_precision == "no":
+        return None
+    param_dtype = acc.fsdp.mixed_precision_policy.param_dtype
+    return _DTYPE_BYTES[param_dtype] if param_dtype is not None else 2
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """Elements of one FSDP unit (a joint unit: of all its modules), frozen and trainable."""
+
+    label: str
+    numel: int
+    trainable: int
+
+
+def unit_sizes(model: nn.Module, plan: UnitPlan) -> tuple[UnitSize, list[UnitSize]]:
+    """(the root unit, every other unit that a pass gathers): each parameter counted in the innermost unit that
+    holds it, the units of unused parameters (never gathered) left out."""
+    entries = [*plan.units, *((group.label, m) for group in plan.groups for m in group.modules), *plan.idle]
+    depth = {id(module): name.count(".") for name, module in model.named_modules()}
+    owner: dict[int, str] = {}
+    for label, unit in sorted(entries, key=lambda item: depth.get(id(item[1]), 0)):
+        for module in unit.modules():
+            owner[id(module)] = label
+    numel: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            counts = numel.setdefault(owner.get(id(module), "<root>"), [0, 0])
+            counts[0] += param.numel()
+            counts[1] += param.numel() if param.requires_grad else 0
+    idle = {label for label, _ in plan.idle}
+    root = UnitSize("<root>", *numel.pop("<root>", [0, 0]))
+    return root, [UnitSize(label, *counts) for label, counts in numel.items() if label not in idle]
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes saved for backward by one forward of a micro-batch (an estimate; see the module docstring)."""
+
+    total: int | None  # None: not estimated (``how`` says why)
+    how: str
+
+
+def estimate_activations(policy: nn.Module, batch_size: int, blocks: list[nn.Module],
+                         element_bytes: int | None) -> ActivationEstimate | None:
+    """Run ``policy.example_batch(batch_size)`` through ``policy`` (on the meta device: shapes only) and add up
+    the storages autograd saves for backward, parameters left out; with ``blocks`` (the checkpointed ones), what
+    each keeps inside is replaced by the largest block's (one recomputed at a time). ``element_bytes``: fp32
+    tensors count at that size (mixed precision). None when the policy has no ``example_batch``."""
+    make_batch = getattr(policy, "example_batch", None)
+    if make_batch is None:
+        return None
+    params = {StorageWeakRef(p.untyped_storage()) for p in policy.parameters()}
+    saved: dict[StorageWeakRef, tuple[int, int]] = {}  # storage -> (bytes, block index or -1)
+    stack: list[int] = []
+
+    def pack(tensor: Tensor) -> Tensor:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in params and ref not in saved:
+            size = tensor.untyped_storage().nbytes()
+            if element_bytes is not None and tensor.dtype == torch.float32:
+                size = size * element_bytes // 4
+            saved[ref] = (size, stack[0] if stack else -1)
+        return tensor
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, a, index=index: stack.append(index)))
+        handles.append(block.register_forward_hook(leave))
+    try:
+        with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            policy(make_batch(batch_size))
+    except (NotImplementedError, RuntimeError) as error:  # an op without a meta kernel, data read on the host
+        return ActivationEstimate(None, f"not estimated: {type(policy).__name__}'s forward does not run on the meta "
+                                        f"device ({type(error).__name__}: {str(error).splitlines()[0]})")
+    finally:
+        for handle in handles:
+            handle.remove()
+    outside = sum(size for size, block in saved.values() if block < 0)
+    per_block = [sum(size for size, block in saved.values() if block == index) for index in range(len(blocks))]
+    how = f"tensors saved for backward by one forward of {batch_size} samples, measured on the meta device"
+    if not blocks:
+        return ActivationEstimate(outside + sum(per_block), how)
+    return ActivationEstimate(outside + max(per_block, default=0),
+                              how + f"; {len(blocks)} checkpointed blocks keep only their inputs, one recomputed "
+                              "at a time")
+
+
+@dataclass(frozen=True)
+class TransientBytes:
+    """Per rank, what a step or an evaluation holds beyond the persistent state (bytes; the module docstring says
+    how each is counted)."""
+
+    gathered: int  # the peak of FSDP2's gathered parameters and unsharded gradients; 0 unsharded
+    gathered_what: str
+    activations: ActivationEstimate | None
+    evaluation: int  # the evaluation copy (or the shards EMA swaps in)
+    evaluation_what: str
+    accumulation: int  # held for the accumulation window beyond .grad
+    accumulation_what: str
+
+    def describe(self) -> list[str]:
+        mib = 2**20
+        if self.activations is None:
+            activations = "activations: not estimated (the policy defines no example_batch)"
+        elif self.activations.total is None:
+            activations = f"activations: {self.activations.how}"
+        else:
+            activations = f"activations (estimate): {self.activations.total / mib:.3f} MiB ({self.activations.how})"
+        return [f"gathered at the peak: {self.gathered / mib:.3f} MiB ({self.gathered_what})", activations,
+                f"evaluation copy: {self.evaluation / mib:.3f} MiB ({self.evaluation_what})",
+                f"accumulation window: {self.accumulation / mib:.3f} MiB ({self.accumulation_what})"]
+
+
+def transient_bytes(policy: nn.Module, plan: UnitPlan, cfg: TrainConfig, dims: ParallelDims,
+                    per_rank: tuple[RankBytes, ...]) -> TransientBytes:
+    """:class:`TransientBytes` of ``policy`` (on the meta device) sharded by ``plan`` on ``dims``."""
+    element = compute_bytes(cfg, dims.is_sharded)
+    param_bytes = next((p.element_size() for p in policy.parameters()), 4)
+    size = element or param_bytes
+    gathered, gathered_what = 0, "nothing: every rank holds the whole model"
+    if dims.is_sharded:
+        root, units = unit_sizes(policy, plan)
+        largest = max(units, key=lambda unit: unit.numel, default=UnitSize("none", 0, 0))
+        gathered = size * (root.numel + root.trainable + 2 * largest.numel + largest.trainable)
+        gathered_what = (f"root unit {root.numel:,} parameters and their gradients, + 2 x the largest unit "
+                         f"({largest.label}: {largest.numel:,}) and its gradients, at {size} bytes each")
+    blocks = [module for _, module in plan.checkpointed]
+    # Unsharded runs compute under autocast in half precision with mixed precision on.
+    activation_element = element if dims.is_sharded else (2 if cfg.accelerator.mixed_precision != "no" else None)
+    activations = estimate_activations(policy, cfg.batch_size, blocks, activation_element)
+    evaluates = cfg.eval.n_episodes > 0 or bool(cfg.dataset.val_episodes)
+    busiest = max(per_rank, key=lambda held: held.total)
+    if not evaluates:
+        evaluation, evaluation_what = 0, "no evaluation configured"
+    elif dims.is_sharded:
+        swapped = busiest.trainable_parameters if cfg.ema.enable and cfg.ema.use_for_eval else 0
+        evaluation = swapped
+        evaluation_what = ("through the sharded model, one unit gathered at a time"
+                           + (", the trained shards kept while the EMA's are swapped in" if swapped else ""))
+    else:
+        evaluation = sum(p.numel() * p.element_size() for p in policy.parameters())
+        evaluation_what = "a whole copy of the weights on every rank"
+    steps = cfg.accelerator.gradient_accumulation.steps
+    accumulation, accumulation_what = 0, "no accumulation"
+    if steps > 1:
+        accumulation_what = ("the window's gradients accumulate in .grad" if not dims.is_sharded else
+                             "reduce-scattered every micro-batch: each rank accumulates its shard in .grad")
+        if dims.is_sharded and dims.dp_replicate > 1:
+            master = 4 if element is not None else param_bytes  # mixed precision keeps fp32 masters
+            accumulation = busiest.trainable_parameters // master * size  # the shard, in the reduce dtype
+            accumulation_what += "; HSDP keeps the reduce-scattered shard until the replica all-reduce"
+    return TransientBytes(gathered, gathered_what, activations, evaluation, evaluation_what, accumulation,
+                          accumulation_what)
 
 
 def memory_budget(on_device: bool, local_rank: int) -> MemoryBudget:
@@ -309,3 +513,20 @@ def check_fits(plan: MemoryPlan, budget: MemoryBudget) -> None:
     fits, problem, fix = fit_verdict(plan, budget)
     if not fits:
         raise config_error("parallelism.dp_shard", plan.topology.dp_shard, problem, fix)
+
+
+def plan_table(plans: list[tuple[str, MemoryPlan]]) -> list[str]:
+    """A Markdown table of ``(label, plan)`` rows: per rank (the busiest) in GiB, the persistent state and what a step
+    or an evaluation holds for a while (docs/sharding.md shows it for full-size pi0)."""
+    gib = 2**30
+    lines = ["| layout | parameters | gradients | optimizer state | persistent | gathered at peak | activations "
+             "(estimate) | evaluation copy | accumulation window |", "|" + "---|" * 9]
+    for label, plan in plans:
+        held, extra = plan.busiest, plan.transient
+        assert extra is not None
+        estimate = None if extra.activations is None else extra.activations.total
+        activations = "n/a" if estimate is None else f"{estimate / gib:.2f}"
+        lines.append(f"| {label} | {held.parameters / gib:.2f} | {held.gradients / gib:.2f} | "
+                     f"{held.optimizer_state / gib:.2f} | {held.total / gib:.2f} | {extra.gathered / gib:.2f} | "
+                     f"{activations} | {extra.evaluation / gib:.2f} | {extra.accumulation / gib:.2f} |")
+    return lines

@@ -107,14 +107,15 @@ def test_evaluation_spread_over_the_ranks_equals_one_process(layout: str, state_
         assert [m["loss"] for m in interval_metrics(run_dir)] == [m["loss"] for m in interval_metrics(reference)]
 
 
-def test_a_crashing_rollout_fails_the_run_naming_rank_and_seed(state_dataset: tuple[Path, dict],
+@pytest.mark.parametrize("layout", [[], ["parallelism.dp_shard=2"]], ids=["ddp", "fsdp"])
+def test_a_crashing_rollout_fails_the_run_naming_rank_and_seed(layout: list[str], state_dataset: tuple[Path, dict],
                                                                tmp_path: Path) -> None:
     """Rank 1's simulator raises on seed 100001 (tests/sim/eval_crash_probe.py): the failure travels in the
     evaluation's gather, so both ranks stop at the evaluation step with the rank and seed. Rank 0 raising the same
     EvaluationError shows it did not wait for the process group's timeout: a rank left waiting would fail with the
-    group's timeout error instead."""
+    group's timeout error instead. Sharded, rank 0's rollouts go on through the sharded model, rank 1 keeping pace."""
     root, _ = state_dataset
-    proc = run_train([*TINY, *EVALUATING, "steps=2", "accelerator.process_group_timeout_s=120",
+    proc = run_train([*TINY, *EVALUATING, *layout, "steps=2", "accelerator.process_group_timeout_s=120",
                       f"dataset.root={root}", f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=300, check=False,
                      script=PROBE)
     assert proc.returncode != 0

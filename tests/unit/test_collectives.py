@@ -101,6 +101,7 @@ SITES: list[tuple[str, str, str, Cover]] = [
     ("evaluation.py", "gather_full_weights", "get_model_state_dict", Cover.MESH_GROUPS),
     ("evaluation.py", "gather_full_weights", "value.full_tensor", Cover.MESH_GROUPS),
     ("evaluation.py", "Evaluator.after_step", "dist.all_gather_object", Cover.OBJECT),
+    ("evaluation.py", "Lockstep._agree", "dist.all_reduce", Cover.DEFAULT_GROUP),
     ("launch/placement.py", "record_placement", "dist.all_gather_object", Cover.OBJECT),
     ("launch/preemption.py", "PreemptionWatch.__init__", "dist.new_group", Cover.CREATES_GROUP),
     ("launch/preemption.py", "PreemptionWatch._exchange", "dist.all_reduce", Cover.HOST_GROUP),
