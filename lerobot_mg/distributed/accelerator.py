@@ -39,13 +39,13 @@ from lerobot_mg.distributed.device import use_cpu
 from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
 from lerobot_mg.distributed.wrap import (
     UnitPlan,
-    checkpoint_activations,
     compile_forward,
     find_split_ties,
     freeze_unused,
     plan_units,
 )
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.policies.base import checkpoint_activations
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,12 @@ alone: checkpoints, state dicts and FSDP's hooks (which run around ``forward``) 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.errors import ConfigError
@@ -340,21 +338,6 @@ def top_level_modules(model: nn.Module, prefix: str = "") -> NamedModules:
         else:
             found.append((f"{prefix}{name}", child))
     return found
-
-
-def checkpoint_activations(module: nn.Module) -> None:
-    """Recompute ``module``'s activations in backward instead of keeping them.
-
-    Non-reentrant checkpointing: it composes with DDP's and FSDP2's hooks and with torch.compile, and restores
-    the RNG state for the recomputation, so dropout draws the same mask and gradients equal the run without it.
-    """
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed
 
 
 def compile_forward(module: nn.Module) -> None:

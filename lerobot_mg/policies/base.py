@@ -13,6 +13,7 @@ and `select_action` keeps the same observation history at inference.
 from __future__ import annotations
 
 import abc
+import functools
 import json
 from collections import deque
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.errors import ConfigError, config_error
@@ -117,6 +119,27 @@ def delta_timestamps(
         input_features, _ = features_from_dataset(dataset_features, config.observation_keys)
         offsets.update({key: list(config.observation_delta_indices) for key in input_features})
     return {key: [index / fps for index in indices] for key, indices in offsets.items()}
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them: its forward is replaced on the
+    instance by a non-reentrant checkpoint of it (class, hooks, names and state dict unchanged). Used by
+    ``accelerator.activation_checkpointing`` and by a policy's own ``gradient_checkpointing`` (LeRobot's name); a
+    module already transformed is left as it is, so asking for both recomputes once.
+
+    Non-reentrant checkpointing composes with DDP's and FSDP2's hooks and with torch.compile, and restores the RNG
+    state for the recomputation, so dropout draws the same mask and gradients equal the run without it.
+    """
+    if getattr(module, "_recomputed_in_backward", False):
+        return
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed  # type: ignore[method-assign]
+    module._recomputed_in_backward = True  # type: ignore[assignment]
 
 
 def safetensors_ready(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -24,13 +24,12 @@ import torch
 from torch import Tensor
 
 from lerobot_mg.errors import config_error
+from lerobot_mg.policies.vla.common import LANGUAGE_ATTENTION_MASK, LANGUAGE_TOKENS
 from lerobot_mg.processors.pipeline import ProcessorStep, register_step
 from lerobot_mg.processors.tokenizer_source import resolve_tokenizer
 
 TASK_KEY = "task"
 STATE_KEY = "observation.state"
-LANGUAGE_TOKENS = "observation.language.tokens"
-LANGUAGE_ATTENTION_MASK = "observation.language.attention_mask"
 # pi0.5's state bins: the left edges of 256 equal bins of [-1, 1] (openpi's PaligemmaTokenizer, LeRobot's step).
 STATE_BIN_EDGES = np.linspace(-1, 1, 256 + 1)[:-1]
 

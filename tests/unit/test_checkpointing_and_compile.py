@@ -14,10 +14,11 @@ from torch import nn
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig, TrainConfig
 from lerobot_mg.distributed.accelerator import build_accelerator, prepare_units
 from lerobot_mg.distributed.parallel_dims import ParallelDims
-from lerobot_mg.distributed.wrap import checkpoint_activations, plan_units
+from lerobot_mg.distributed.wrap import plan_units
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.optim import make_optimizer
 from lerobot_mg.policies.act import ACTConfig, ACTPolicy
+from lerobot_mg.policies.base import checkpoint_activations
 from lerobot_mg.policies.diffusion import DiffusionPolicy
 from lerobot_mg.preflight import preflight
 from lerobot_mg.step import Stepper

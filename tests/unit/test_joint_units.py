@@ -15,12 +15,12 @@ from lerobot_mg.config.schema import AcceleratorConfig
 from lerobot_mg.distributed.accelerator import accumulation_plugin
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.distributed.wrap import (
-    checkpoint_activations,
     declared_groups,
     find_split_ties,
     freeze_unused,
     plan_units,
 )
+from lerobot_mg.policies.base import checkpoint_activations
 from tests.joint_toy import Sizes, ToyJointPolicy, toy_batch
 
 VLM = "model.paligemma_with_expert.paligemma.model.language_model.layers"

@@ -246,7 +246,7 @@ def test_gradients_match(loaded: tuple[str, PI0Policy, dict[str, torch.Tensor]])
     # LeRobot's structure facts: both language heads and the last VLM layer's output side get no gradient, the
     # last VLM layer's q_proj an exactly zero one, every other parameter a gradient.
     without = sorted(name for name, param in parameters.items() if param.grad is None)
-    assert without == sorted(policy.parameters_without_gradient())
+    assert without == sorted(policy.unused_parameter_names())
     pwe = "model.paligemma_with_expert."
     assert {f"{pwe}paligemma.lm_head.weight", f"{pwe}gemma_expert.lm_head.weight",
             f"{pwe}paligemma.model.language_model.layers.1.mlp.up_proj.weight",

@@ -29,9 +29,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from lerobot_mg.config.smolvla import SMOLVLM2_500M, SmolVLAConfig
-from lerobot_mg.distributed.wrap import checkpoint_activations
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.policies.base import SAMPLE_SEED_KEY
+from lerobot_mg.policies.base import SAMPLE_SEED_KEY, checkpoint_activations
 from lerobot_mg.policies.smolvla import SmolVLAExpertLayer, SmolVLAPolicy, SmolVLAVLMLayer
 from lerobot_mg.policies.smolvla.vlm import smolvlm_config, vlm_weight_files
 from tests.lerobot_fixtures import FIXTURES, config_json, fixture_dir, pretrained_model_dir, reference

@@ -46,7 +46,7 @@ def _rank_main(out_dir: Path) -> None:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import DTensor
 
-    from lerobot_mg.distributed.wrap import checkpoint_activations
+    from lerobot_mg.policies.base import checkpoint_activations
     from lerobot_mg.policies.smolvla import SmolVLAPolicy
 
     torch.set_num_threads(1)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lerobot_mg.distributed.wrap import checkpoint_activations, declared_checkpoint_blocks
+from lerobot_mg.distributed.wrap import declared_checkpoint_blocks
+from lerobot_mg.policies.base import checkpoint_activations
 from lerobot_mg.policies.pi0.modeling_pi0 import PI0Policy
 from lerobot_mg.policies.registry import load_pretrained
 from lerobot_mg.policies.vla import common

@@ -31,12 +31,16 @@ from lerobot_mg.policies.base import (
     WEIGHTS_NAME,
     FeatureSpec,
     PreTrainedPolicy,
+    checkpoint_activations,
     load_state_dict_strictly,
 )
 from lerobot_mg.policies.saved_config import CONFIG_NAME
 from lerobot_mg.policies.vla.common import (
+    LANGUAGE_ATTENTION_MASK,
+    LANGUAGE_TOKENS,
     attention_masks_4d,
     euler_integrate,
+    example_language,
     flow_matching_losses,
     flow_matching_pair,
     make_att_2d_masks,
@@ -48,13 +52,11 @@ from lerobot_mg.policies.vla.common import (
     sample_time_beta,
     sinusoidal_time_embedding,
 )
-from lerobot_mg.policies.vla.joint import KeyValue, recompute_in_backward
+from lerobot_mg.policies.vla.joint import KeyValue
 from lerobot_mg.policies.vla.paligemma import SIGLIP_LAYER_CLASS, PaliGemmaWithExpertModel
 
 OBS_STATE = "observation.state"
 OBS_IMAGES = "observation.images"
-LANGUAGE_TOKENS = "observation.language.tokens"
-LANGUAGE_ATTENTION_MASK = "observation.language.attention_mask"
 ACTION = "action"
 
 # (time (B,), x_t, v_t) at every Euler step, for callers that want to see the denoising.
@@ -233,25 +235,29 @@ class PI0Policy(PreTrainedPolicy):
         self.model = self.model_class(config)
         if config.gradient_checkpointing:
             for vlm_layer, _ in self.fsdp_unit_groups():
-                recompute_in_backward(vlm_layer)
+                checkpoint_activations(vlm_layer)
+
+    def example_batch(self, batch_size: int) -> dict[str, Tensor]:
+        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes)."""
+        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length)}
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """[(VLM layer i, expert layer i)]: each joint layer is one FSDP2 unit (gathered and resharded together)."""
         return list(self.model.paligemma_with_expert.joint_layers())
 
-    def parameters_without_gradient(self) -> list[str]:
-        """Names of the trainable parameters a training step never gives a gradient (their ``.grad`` stays None),
-        as in LeRobot: both language heads (kept in the state dict for LeRobot, never computed), and the output side
-        of the last VLM layer and the VLM's final norm (the prefix's last hidden state is discarded; only its keys
-        and values reach the expert). Data-parallel code can leave them out of the gradient reduction; an optimizer
-        skips them as LeRobot's AdamW does (no update, no weight decay). The last VLM layer's q_proj is not listed:
-        its gradient exists and is exactly zero, and weight decay still applies to it, as in LeRobot."""
+    def unused_parameter_names(self) -> list[str]:
+        """The parameters a training step never gives a gradient (their ``.grad`` stays None), as in LeRobot: both
+        language heads (kept in the state dict for LeRobot, never computed), and the output side of the last VLM
+        layer and the VLM's final norm (the prefix's last hidden state is discarded; only its keys and values reach
+        the expert). The run freezes them, which changes no number: LeRobot's AdamW skips a parameter without a
+        gradient (no update, no weight decay). The last VLM layer's q_proj is not listed: its gradient exists and
+        is exactly zero, and weight decay still applies to it, as in LeRobot."""
         pwe = self.model.paligemma_with_expert
         last = pwe.vlm.layers[-1]
         modules = [pwe.paligemma.lm_head, pwe.gemma_expert.lm_head, pwe.vlm.norm, last.self_attn.o_proj,
                    last.post_attention_layernorm, last.mlp]
         ids = {id(param) for module in modules for param in module.parameters()}
-        return [name for name, param in self.named_parameters() if id(param) in ids and param.requires_grad]
+        return [name for name, param in self.named_parameters() if id(param) in ids]
 
     # --- inputs ---
 

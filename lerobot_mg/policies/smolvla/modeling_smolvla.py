@@ -42,7 +42,10 @@ from lerobot_mg.policies.saved_config import CONFIG_NAME
 from lerobot_mg.policies.smolvla.smolvlm_with_expert import KVCache, SmolVLMWithExpertModel
 from lerobot_mg.policies.smolvla.vlm import load_vlm_weights, smolvlm_config, vlm_weight_files
 from lerobot_mg.policies.vla.common import (
+    LANGUAGE_ATTENTION_MASK,
+    LANGUAGE_TOKENS,
     euler_integrate,
+    example_language,
     flow_matching_losses,
     flow_matching_pair,
     make_att_2d_masks,
@@ -56,8 +59,6 @@ from lerobot_mg.policies.vla.common import (
 )
 
 OBS_STATE = "observation.state"
-LANGUAGE_TOKENS = "observation.language.tokens"
-LANGUAGE_ATTENTION_MASK = "observation.language.attention_mask"
 EMPTY_CAMERA_PREFIX = "observation.images.empty_camera_"
 # LeRobot's shape for the empty cameras it adds to the input features (never read: their images are all black).
 _EMPTY_CAMERA_SHAPE = [3, 480, 640]
@@ -330,6 +331,10 @@ class SmolVLAPolicy(PreTrainedPolicy):
             super().load_weights(directory, map_location)  # its error names the missing file
         state_dict = load_file(str(weights_path), device=str(map_location))
         load_state_dict_strictly(self, state_dict, str(weights_path), str(Path(directory) / CONFIG_NAME))
+
+    def example_batch(self, batch_size: int) -> dict[str, Tensor]:
+        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes)."""
+        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length)}
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """The joint layers, each sharded as one unit: (VLM language layer i, expert layer i)."""

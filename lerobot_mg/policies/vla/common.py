@@ -32,6 +32,19 @@ ATTENTION_MASK_VALUE = -2.3819763e38
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The batch keys of the tokenised task instruction, as LeRobot's tokenizer step writes them (the processors'
+# tokenizer step, lerobot_mg.processors.language, fills them; every VLA reads them).
+LANGUAGE_TOKENS = "observation.language.tokens"
+LANGUAGE_ATTENTION_MASK = "observation.language.attention_mask"
+
+
+def example_language(batch_size: int, length: int) -> dict[str, Tensor]:
+    """A prompt of ``length`` tokens per sample (token 0, every position attended), made on the current default
+    device: the language part of a VLA's ``example_batch``."""
+    return {LANGUAGE_TOKENS: torch.zeros(batch_size, length, dtype=torch.long),
+            LANGUAGE_ATTENTION_MASK: torch.ones(batch_size, length, dtype=torch.bool)}
+
+
 def sinusoidal_time_embedding(time: Tensor, dimension: int, min_period: float, max_period: float) -> Tensor:
     """(B, dimension) sine-cosine embedding of scalar times (B,): periods spaced geometrically from ``min_period``
     to ``max_period``, sines in the first half, cosines in the second. Computed in float64 (float32 on MPS, which

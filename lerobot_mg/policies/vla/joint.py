@@ -20,10 +20,8 @@ resharded once every module of the group has run its forward). So:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
 
 @dataclass
@@ -33,18 +31,3 @@ class KeyValue:
 
     key: Tensor
     value: Tensor
-
-
-def recompute_in_backward(module: nn.Module) -> None:
-    """Replace ``module``'s forward on the instance by a non-reentrant checkpoint of it (the same transform as
-    ``accelerator.activation_checkpointing``; names and state dict unchanged). A module already transformed is
-    left as it is."""
-    if getattr(module, "_recomputed_in_backward", False):
-        return
-    forward = module.forward
-
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed  # type: ignore[method-assign]
-    module._recomputed_in_backward = True  # type: ignore[assignment]
