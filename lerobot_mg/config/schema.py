@@ -29,6 +29,7 @@ from lerobot_mg.config.diffusion import DiffusionConfig
 from lerobot_mg.config.pi0 import PI0Config
 from lerobot_mg.config.pi05 import PI05Config
 from lerobot_mg.config.policy import PolicyConfig
+from lerobot_mg.config.smolvla import SmolVLAConfig
 from lerobot_mg.errors import config_error
 
 # The top-level folder of the checkout this package runs from (conf/, outputs/bench); an installed wheel has none.
@@ -39,7 +40,7 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 # The config dataclass of each policy: the schema of its `policy` preset; lerobot_mg.policies.registry maps the same
 # names to the policy classes.
 POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {
-    "act": ACTConfig, "diffusion": DiffusionConfig, "pi0": PI0Config, "pi05": PI05Config,
+    "act": ACTConfig, "diffusion": DiffusionConfig, "pi0": PI0Config, "pi05": PI05Config, "smolvla": SmolVLAConfig,
 }
 
 
