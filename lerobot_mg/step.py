@@ -1,5 +1,10 @@
 """One loop step for every layout: forward, backward, and on accumulation boundaries the optimizer update.
 
+Gradient accumulation keeps a sharded run's gradients sharded: under FSDP2 and HSDP every micro-batch's backward
+reduce-scatters (each rank accumulates only its shard of the gradients); HSDP defers only the all-reduce across
+replicas to the window's last micro-batch. DDP accumulates full local gradients under ``no_sync`` and all-reduces
+once per window, as before.
+
 A step never waits for the device: its losses, gradient norm and skip flag stay device tensors
 (:class:`StepLogs`), summed between log steps and read there (lerobot_mg.tracking). The one exception is torch's
 fp16 loss scaler, whose ``step()`` reads the overflow flag once per optimizer update.
@@ -19,7 +24,7 @@ from torch import nn
 
 from lerobot_mg.config.schema import EMAConfig
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
-from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
 from lerobot_mg.ema import ModelEMA
 from lerobot_mg.policies.base import SAMPLE_SEED_KEY
 
@@ -80,6 +85,9 @@ class Stepper:
         # FSDP leaves these as plain tensors and does not reduce their gradients (accelerator.fsdp.ignored_modules).
         self.ignored_params = ignored_trainable_params(model) if dims.is_sharded else []
         self.ema = ema
+        # HSDP accumulates each micro-batch's reduce-scattered shard within its replica and all-reduces across the
+        # replicas once per window (lerobot_mg.distributed.accelerator.accumulation_plugin).
+        self.defer_replica_reduce = dims.layout is Layout.HSDP and accelerator.gradient_accumulation_steps > 1
 
     @property
     def lr(self) -> float:
@@ -90,6 +98,8 @@ class Stepper:
         batch = self.preprocessor(to_device(batch, acc.device, self.uint8_keys))
         logs = StepLogs()
         with acc.accumulate(self.model):
+            if self.defer_replica_reduce:
+                self.model.set_requires_all_reduce(acc.sync_gradients)
             loss, policy_logs = self.model(batch)
             self.backward(loss)
             logs.synced = acc.sync_gradients

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, GradientAccumulationPlugin
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
@@ -37,7 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 from lerobot_mg.config.schema import AcceleratorConfig, FSDPConfig
 from lerobot_mg.distributed.device import use_cpu
 from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
-from lerobot_mg.distributed.wrap import checkpoint_activations, compile_forward, find_split_ties, plan_units
+from lerobot_mg.distributed.wrap import (
+    UnitPlan,
+    checkpoint_activations,
+    compile_forward,
+    find_split_ties,
+    freeze_unused,
+    plan_units,
+)
 from lerobot_mg.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -164,7 +171,7 @@ def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Acceler
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=acc_cfg.mixed_precision,
-        gradient_accumulation_steps=acc_cfg.gradient_accumulation.steps,
+        gradient_accumulation_plugin=accumulation_plugin(acc_cfg.gradient_accumulation.steps, dims),
         fsdp_plugin=fsdp_plugin,
         parallelism_config=parallelism_config,
         step_scheduler_with_optimizer=False,
@@ -189,6 +196,18 @@ def build_accelerator(acc_cfg: AcceleratorConfig, dims: ParallelDims) -> Acceler
     return accelerator
 
 
+def accumulation_plugin(steps: int, dims: ParallelDims) -> GradientAccumulationPlugin:
+    """Gradient accumulation over ``steps`` micro-batches, keeping a sharded run's gradients sharded.
+
+    DDP (and one process) accumulates locally under accelerate's ``no_sync`` and all-reduces once per window. Under
+    FSDP2/HSDP ``no_sync`` would keep every parameter's full, unsharded gradient on every rank for the whole window;
+    ``sync_each_batch`` keeps accelerate from entering it, so every micro-batch's backward reduce-scatters and each
+    rank accumulates only its shard (HSDP skips the replica all-reduce until the window's last micro-batch:
+    ``lerobot_mg.step.Stepper``). The update is the same; the window costs one reduce-scatter per micro-batch.
+    """
+    return GradientAccumulationPlugin(num_steps=steps, sync_each_batch=dims.is_sharded)
+
+
 def _one_rank_mesh(device_type: str) -> DeviceMesh:
     """The device mesh of FSDP2 on one process, which accelerate does not build.
 
@@ -208,10 +227,26 @@ def prepare(accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.O
     than one process): a DDP layout is wrapped here then, so one GPU runs DDP's reducer on the 1-rank group too.
     """
     model, optimizer = accelerator.prepare(model, optimizer)
+    if dims.is_sharded:
+        _register_inference_methods(model)
     if dims.layout is Layout.DDP and not isinstance(model, DistributedDataParallel):
         device_ids = None if accelerator.device.type == "cpu" else [accelerator.device]
         model = DistributedDataParallel(model, device_ids=device_ids)
     return model, optimizer
+
+
+# Policy methods that run the network without calling the root's forward (evaluation's rollouts).
+INFERENCE_METHODS = ("predict_action_chunk",)
+
+
+def _register_inference_methods(model: nn.Module) -> None:
+    """Let the sharded root gather its own parameters (those outside every unit) around :data:`INFERENCE_METHODS`
+    as it does around ``forward``: an evaluation through the sharded model calls ``predict_action_chunk``."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for method in INFERENCE_METHODS:
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
 
 
 def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
@@ -233,33 +268,39 @@ def _set_mesh_timeouts(accelerator: Accelerator, timeout: timedelta) -> None:
 def prepare_units(
     accelerator: Accelerator, model: nn.Module, acc_cfg: AcceleratorConfig, dims: ParallelDims
 ) -> None:
-    """Apply, in this order, activation checkpointing, torch.compile and FSDP sharding to the units
-    :func:`plan_units` chooses, before ``accelerator.prepare`` wraps the root (FSDP2 or DDP). Collective:
-    every rank must call it.
+    """Freeze the parameters the policy declares unused (``unused_parameter_names``), then apply, in this order,
+    activation checkpointing, torch.compile and FSDP sharding to the units :func:`plan_units` chooses, before
+    ``accelerator.prepare`` wraps the root (FSDP2 or DDP). Collective: every rank must call it.
     """
+    frozen = freeze_unused(model)
     plan = plan_units(model, acc_cfg, dims.is_sharded)
     for _, block in plan.checkpointed:
         checkpoint_activations(block)
     for _, target in plan.compiled:
         compile_forward(target)
     if dims.is_sharded:
-        _shard(accelerator, model, plan.units, plan.rule)
+        _shard(accelerator, model, plan)
     if accelerator.is_main_process:
+        if frozen:
+            logger.info("Frozen (no gradient reaches them; kept in checkpoints): %d parameters, e.g. %s", len(frozen),
+                        frozen[0])
         for line in plan.describe():
             logger.info(line)
 
 
-def _shard(accelerator: Accelerator, model: nn.Module, units: list[tuple[str, nn.Module]], rule: str) -> None:
-    """Check the wrap units for split ties and shard each with the arguments accelerate gives the root."""
+def _shard(accelerator: Accelerator, model: nn.Module, plan: UnitPlan) -> None:
+    """Check the wrap units for split ties and shard them with the arguments accelerate gives the root: the
+    policy's unit groups (one ``fully_shard`` over each group's modules), then the single-module units, bottom-up
+    (a unit nested in a group member goes before its group), then the modules of unused parameters alone."""
     from accelerate.utils.fsdp_utils import get_parameters_from_modules
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ties = find_split_ties(model, units)
+    ties = find_split_ties(model, plan.units + plan.idle, plan.groups)
     if ties:
         raise ConfigError(
             "FSDP cannot split tied weights across wrap units, and these parameters would be split: "
             + "; ".join(ties)
-            + f" (units chosen by {rule}). Fix: wrap the repeated block class (accelerator.fsdp.wrap_modules) so "
+            + f" (units chosen by {plan.rule}). Fix: wrap the repeated block class (accelerator.fsdp.wrap_modules) so "
             "both users of the tied weight stay together, e.g. in the root unit."
         )
     if accelerator.mixed_precision != "no":
@@ -274,7 +315,16 @@ def _shard(accelerator: Accelerator, model: nn.Module, units: list[tuple[str, nn
     }
     if plugin.ignored_modules is not None:
         kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
-    for _, unit in units:
+    member_names = [name for group in plan.groups for name in group.names]
+    inside = [(n, u) for n, u in plan.units if any(n.startswith(f"{member}.") for member in member_names)]
+    for _, unit in inside:
+        fully_shard(unit, **kwargs)
+    for group in plan.groups:
+        fully_shard(list(group.modules), **kwargs)
+    for name, unit in plan.units:
+        if (name, unit) not in inside:
+            fully_shard(unit, **kwargs)
+    for _, unit in plan.idle:
         fully_shard(unit, **kwargs)
 
 

@@ -1,6 +1,12 @@
 """Wrap units: which submodules become their own FSDP unit, the checks around that choice, and the two
 per-unit transforms applied before sharding (activation checkpointing, torch.compile).
 
+A policy declares units two ways. ``fsdp_unit_groups()`` returns groups of modules that form ONE unit each (the
+joint layers of a vision-language-action policy: VLM layer i with expert layer i, see
+``PreTrainedPolicy.fsdp_unit_groups``); they are sharded first, with ``fully_shard([m1, m2])``. The class names of
+``_fsdp_wrap_modules`` (or the config's ``accelerator.fsdp.wrap_modules`` / ``min_num_params``) choose the other
+units, one module each.
+
 Accelerate's own size-based policy crashes on ``nn.ModuleList`` containers (``fully_shard`` needs a module
 with a ``forward``) and its class-name policy silently wraps only the root when the wrap policy is missing, so
 the unit selection is ours: one list of modules, checked, then sharded with the same arguments accelerate
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,22 +37,46 @@ _MAX_SUGGESTIONS = 4
 NamedModules = list[tuple[str, nn.Module]]
 
 
+@dataclass(frozen=True)
+class UnitGroup:
+    """Modules that FSDP2 shards as one unit (gathered together, resharded after the last of them ran)."""
+
+    names: tuple[str, ...]  # module names in the model, in the policy's order
+    modules: tuple[nn.Module, ...]
+
+    @property
+    def label(self) -> str:
+        return " + ".join(self.names)
+
+
 @dataclass
 class UnitPlan:
     """What happens to which submodules of a model before it is wrapped."""
 
-    units: NamedModules  # wrap units, bottom-up (sharded runs shard them)
+    units: NamedModules  # single-module wrap units, bottom-up (sharded runs shard them)
     rule: str  # the rule that chose them
     sharded: bool
     checkpointed: NamedModules  # blocks whose activations are recomputed in backward
     compiled: NamedModules  # modules whose forward torch.compile compiles
+    groups: list[UnitGroup] = field(default_factory=list)  # the policy's fsdp_unit_groups(), sharded first
+    # Modules holding only parameters the policy declares unused (unused_parameter_names), outside every other
+    # unit: sharded as units of their own, which no pass ever calls, so they are never gathered.
+    idle: NamedModules = field(default_factory=list)
 
     def describe(self) -> list[str]:
-        """Log lines: the units and their rule, then how many modules each transform applies to, with an example."""
+        """Log lines: the joint units, the units and their rule, then how many modules each transform applies to,
+        with an example."""
         lines = []
+        if self.groups:
+            what = "joint units" if self.sharded else "joint units (not sharded)"
+            lines.append(f"{what}: {len(self.groups)} ({describe_group(self.groups[0])}), e.g. "
+                         f"{self.groups[-1].label}")
         if self.units:
             what = "FSDP wrap units" if self.sharded else "wrap units (not sharded)"
             lines.append(f"{what} ({self.rule}): {len(self.units)} units, e.g. {self.units[-1][0]}")
+        if self.idle and self.sharded:
+            lines.append(f"never gathered (unused parameters, in checkpoints only): {len(self.idle)} units, e.g. "
+                         f"{self.idle[-1][0]}")
         for what, modules in (("activation checkpointing", self.checkpointed), ("torch.compile", self.compiled)):
             if modules:
                 lines.append(f"{what}: {len(modules)} modules, e.g. {modules[-1][0]}")
@@ -56,31 +86,93 @@ class UnitPlan:
 def plan_units(model: nn.Module, acc_cfg: AcceleratorConfig, sharded: bool) -> UnitPlan:
     """Choose the wrap units (sharded runs, or per-unit transforms) and what the two transforms apply to.
 
-    Activation checkpointing recomputes the model's declared blocks (``_checkpoint_modules``), else its
-    outermost wrap units; compile takes the outermost wrap units, else the model's top-level modules. Where
-    either would have nothing to apply to this raises rather than silently doing nothing.
+    The policy's ``fsdp_unit_groups()`` are units of a sharded run whatever else is set; a policy that declares
+    them needs no class rule. Activation checkpointing recomputes the model's declared blocks
+    (``_checkpoint_modules``), else its outermost wrap units; compile takes the outermost wrap units, else the
+    model's top-level modules. Where either would have nothing to apply to this raises rather than silently doing
+    nothing.
     """
     fsdp = acc_cfg.fsdp
     units: NamedModules = []
     rule = "no rule"
+    groups = declared_groups(model)
     wanted = sharded or acc_cfg.activation_checkpointing or acc_cfg.compile
-    if sharded or (wanted and has_wrap_rule(model, fsdp.wrap_modules, fsdp.min_num_params)):
+    if (sharded and not groups) or (wanted and has_wrap_rule(model, fsdp.wrap_modules, fsdp.min_num_params)):
         units, rule = select_wrap_units(model, fsdp.wrap_modules, fsdp.min_num_params)
+    group_members = [(name, module) for group in groups for name, module in zip(group.names, group.modules)]
     checkpointed: NamedModules = []
     if acc_cfg.activation_checkpointing:
-        checkpointed = declared_checkpoint_blocks(model) or outermost(units)
+        checkpointed = declared_checkpoint_blocks(model) or outermost(units + group_members)
         if not checkpointed:
             raise no_rule_error(
                 model, "accelerator.activation_checkpointing=true has no block to recompute",
                 declarations="_fsdp_wrap_modules or _checkpoint_modules",
             )
-    compiled = (outermost(units) or top_level_modules(model)) if acc_cfg.compile else []
+    compiled = (outermost(units + group_members) or top_level_modules(model)) if acc_cfg.compile else []
     if acc_cfg.compile and not compiled:
         raise ConfigError(
             f"accelerator.compile=True: {type(policy_of(model)).__name__} has no wrap unit and no submodule with parameters, so "
             "nothing would be compiled. Fix: accelerator.fsdp.wrap_modules='[\"MyBlock\"]', or accelerator.compile=false"
         )
-    return UnitPlan(units, rule, sharded, checkpointed, compiled)
+    idle = idle_modules(model, units, groups) if sharded else []
+    return UnitPlan(units, rule, sharded, checkpointed, compiled, groups, idle)
+
+
+def idle_modules(model: nn.Module, units: NamedModules, groups: list[UnitGroup]) -> NamedModules:
+    """The outermost modules all of whose parameters the policy declares unused (``unused_parameter_names``) and
+    that no unit or group already holds (pi0's language-model heads): each can be a unit that is never gathered."""
+    declare = getattr(policy_of(model), "unused_parameter_names", None)
+    unused = set(declare() if declare is not None else [])
+    if not unused:
+        return []
+    prefix = "" if policy_of(model) is model else _prefix_of(model, policy_of(model))
+    unused = {f"{prefix}{name}" for name in unused}
+    taken = [name for name, _ in units] + [name for group in groups for name in group.names]
+    candidates = [
+        (name, module) for name, module in model.named_modules()
+        if name and any(True for _ in module.parameters())
+        and all(f"{name}.{param_name}" in unused for param_name, _ in module.named_parameters())
+        and not any(name == other or name.startswith(f"{other}.") or other.startswith(f"{name}.") for other in taken)
+    ]
+    return outermost(candidates)
+
+
+def _prefix_of(model: nn.Module, inner: nn.Module) -> str:
+    """``"base_model.model."``-style: the name of ``inner`` in ``model`` with a trailing dot."""
+    return next(f"{name}." for name, module in model.named_modules() if module is inner)
+
+
+def declared_groups(model: nn.Module) -> list[UnitGroup]:
+    """The policy's ``fsdp_unit_groups()`` with each module's name in ``model``; checked: every member is a
+    submodule, and no module is in two groups or a group inside another's member (a policy bug: ValueError)."""
+    policy = policy_of(model)
+    declare = getattr(policy, "fsdp_unit_groups", None)
+    declared = declare() if declare is not None else []
+    if not declared:
+        return []
+    name_of = {id(module): name for name, module in model.named_modules() if name}
+    groups, seen = [], {}
+    for members in declared:
+        members = tuple(members)
+        missing = [type(m).__name__ for m in members if id(m) not in name_of]
+        if missing or not members:
+            raise ValueError(f"{type(policy).__name__}.fsdp_unit_groups(): a group holds modules that are not "
+                             f"submodules of the model: {missing or 'an empty group'}")
+        group = UnitGroup(tuple(name_of[id(m)] for m in members), members)
+        for name in group.names:
+            clash = next((other for other in seen if other == name or name.startswith(f"{other}.")
+                          or other.startswith(f"{name}.")), None)
+            if clash is not None:
+                raise ValueError(f"{type(policy).__name__}.fsdp_unit_groups(): {name} overlaps {clash} of the group "
+                                 f"{seen[clash]}; a module belongs to one unit")
+            seen[name] = group.label
+        groups.append(group)
+    return groups
+
+
+def describe_group(group: UnitGroup) -> str:
+    """The members' names with the layer index written ``i``: ``vlm.layers.i + expert.layers.i``."""
+    return " + ".join(".".join("i" if part.isdigit() else part for part in name.split(".")) for name in group.names)
 
 
 def select_wrap_units(
@@ -190,14 +282,18 @@ def _size_based_units(model: nn.Module, min_num_params: int) -> list[tuple[str, 
     return chosen
 
 
-def find_split_ties(model: nn.Module, units: Iterable[tuple[str, nn.Module]]) -> list[str]:
-    """Descriptions of parameters shared between different FSDP units (the root counts as one unit).
+def find_split_ties(model: nn.Module, units: Iterable[tuple[str, nn.Module]],
+                    groups: Iterable[UnitGroup] = ()) -> list[str]:
+    """Descriptions of parameters shared between different FSDP units (the root counts as one unit, each group
+    of ``groups`` as one unit).
 
     FSDP cannot split a tied parameter across units: torch >= 2.12 stops at the first forward, older
     versions silently untie it. We refuse before the first step on every version.
     """
+    placed = [*units, *((group.label, module) for group in groups for module in group.modules)]
+    depth_of = {id(module): name.count(".") for name, module in model.named_modules()}
     unit_of_module: dict[int, str] = {}
-    for unit_name, unit in sorted(units, key=lambda item: item[0].count(".")):  # outer first, inner overwrite
+    for unit_name, unit in sorted(placed, key=lambda item: depth_of.get(id(item[1]), 0)):  # outer first, inner overwrite
         for module in unit.modules():
             unit_of_module[id(module)] = unit_name
     owners: dict[int, dict[str, str]] = {}
@@ -265,3 +361,10 @@ def compile_forward(module: nn.Module) -> None:
     """torch.compile ``module.forward`` (the hooks around it, e.g. FSDP's, stay eager)."""
     forward: Callable[..., Any] = module.forward
     module.forward = torch.compile(forward)
+
+
+def freeze_unused(model: nn.Module) -> list[str]:
+    """``requires_grad=False`` on the parameters the policy declares unused (``unused_parameter_names``); their
+    names. Nothing for a model that declares none."""
+    freeze = getattr(policy_of(model), "freeze_unused_parameters", None)
+    return freeze() if freeze is not None else []

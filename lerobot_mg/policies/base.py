@@ -165,6 +165,50 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null.
     _peft_target_modules: ClassVar[list[str]] = []
 
+    def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
+        """Groups of modules that FSDP2 shards as ONE unit each (``fully_shard([m1, m2, ...])``), before the
+        class-name units of ``_fsdp_wrap_modules``; empty (the default): none.
+
+        The joint layer protocol of a vision-language-action policy (pi0, pi0.5, SmolVLA), which this declaration
+        serves: joint layer ``i`` is the VLM decoder layer ``i`` and the action expert's layer ``i``, whose
+        attention spans both streams, and the policy returns ``[(vlm_layer_i, expert_layer_i) for i]``.
+
+        1. Both layers are modules whose ``forward`` does the work (no caller reaches into their norms,
+           projections or MLP), and their state-dict names are LeRobot's.
+        2. The policy calls ``vlm_layer_i(...)``, whose forward calls ``expert_layer_i(...)`` inside it, so the
+           outer forward finishes last: a grouped unit gathers its parameters when the first module of the group
+           starts its forward and reshards them after every module of the group has finished its own.
+        3. Every pass calls both forwards, in training (both streams), in the prefix-only pass that fills the KV
+           cache and in each denoising step (the suffix with the cached prefix). A stream that is absent is passed
+           as ``None`` and its layer returns ``None`` without reading its weights.
+        4. Weights tied between modules stay in one group (or both in the root).
+        5. Activation checkpointing (``_checkpoint_modules``) names the VLM layer class: recomputing its forward
+           recomputes the nested expert call too.
+
+        ``parallelism.dp_shard=N`` then needs no ``accelerator.fsdp.*`` setting for the policy; its state dict,
+        checkpoints and LeRobot's loading are unchanged by the grouping."""
+        return []
+
+    def unused_parameter_names(self) -> list[str]:
+        """Names (as in ``named_parameters()``) of parameters the training loss never reads, so they never receive
+        a gradient: pi0's and pi0.5's language-model heads, which LeRobot builds and saves but never calls.
+
+        They stay in the policy and in every checkpoint (LeRobot loads its state dict strictly). Before training
+        the run freezes them (:meth:`freeze_unused_parameters`: ``requires_grad=False``), so the optimizer holds no
+        state for them, no gradient is allocated or reduced for them (DDP needs no ``find_unused_parameters``,
+        FSDP2 reduce-scatters nothing for them), and the memory plan counts them as parameters only. Default: none.
+        """
+        return []
+
+    def freeze_unused_parameters(self) -> list[str]:
+        """Set ``requires_grad=False`` on :meth:`unused_parameter_names` (idempotent); returns the names. A name
+        the policy does not have is a bug of its declaration (KeyError)."""
+        names = self.unused_parameter_names()
+        params = dict(self.named_parameters())
+        for name in names:
+            params[name].requires_grad_(False)
+        return names
+
     def __init__(
         self,
         config: PolicyConfig,
