@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lerobot_mg.data.writer import LeRobotDatasetWriter
 from lerobot_mg.sim.env import IMAGE_KEY, NUM_JOINTS, TASK
+from tests.launch_utils import shared_by_workers
 
 VLA_PRESETS = ("aloha_pi0_tiny", "aloha_pi05_tiny", "aloha_smolvla_tiny")
 # Two instructions, so that a batch holds different prompts.
@@ -51,3 +53,35 @@ def write_vla_dataset(root: str | Path, seed: int = 0) -> Path:
         writer.save_episode(task=task)
     writer.finalize()
     return Path(root)
+
+
+# HuggingFaceVLA/libero's features (the cameras at their size, the state and actions of a Franka arm).
+LIBERO_FEATURES = {
+    "observation.images.image": {"dtype": "video", "shape": [256, 256, 3], "names": ["height", "width", "channels"]},
+    "observation.images.wrist_image": {"dtype": "video", "shape": [256, 256, 3],
+                                       "names": ["height", "width", "channels"]},
+    "observation.state": {"dtype": "float32", "shape": [8], "names": None},
+    "action": {"dtype": "float32", "shape": [7], "names": None},
+}
+
+
+def write_libero_like_dataset(root: str | Path, num_frames: int = 50) -> Path:
+    """One episode (as long as pi0.5's action chunk) with LIBERO's features (:data:`LIBERO_FEATURES`) and an
+    instruction: what a plan of experiment=pi05_libero reads from the dataset, without downloading it."""
+    rng = np.random.default_rng(0)
+    writer = LeRobotDatasetWriter(root, fps=10, features=LIBERO_FEATURES, robot_type="panda")
+    for step in range(num_frames):
+        writer.add_frame({key: np.full(spec["shape"], 4 * step, dtype=np.uint8) if spec["dtype"] == "video"
+                          else rng.normal(size=spec["shape"]).astype(np.float32)
+                          for key, spec in LIBERO_FEATURES.items()})
+    writer.save_episode(task="put both the alphabet soup and the tomato sauce in the basket")
+    writer.finalize()
+    return Path(root)
+
+
+def shared_vla_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`write_vla_dataset`'s dataset, written once per test session (whichever xdist worker needs it first)."""
+    with shared_by_workers(tmp_path_factory, "vla_presets/dataset") as root:
+        if not (root / "meta" / "info.json").is_file():
+            write_vla_dataset(root)
+        return root

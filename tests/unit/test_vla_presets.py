@@ -22,8 +22,14 @@ from lerobot_mg.config.loading import CONF_DIR, to_train_config
 from lerobot_mg.config.schema import DATA_DIR, TrainConfig, register_configs
 from lerobot_mg.sim.env import IMAGE_KEY, NUM_JOINTS, TASK
 from lerobot_mg.sim.evaluate import PolicyController
-from tests.launch_utils import REPO, interval_metrics, run_train, shared_by_workers
-from tests.vla_preset_aids import IMAGE_SHAPE_HWC, PRESET_TEST_OVERRIDES, VLA_PRESETS, write_vla_dataset
+from tests.launch_utils import REPO, interval_metrics, run_train
+from tests.vla_preset_aids import (
+    IMAGE_SHAPE_HWC,
+    PRESET_TEST_OVERRIDES,
+    VLA_PRESETS,
+    shared_vla_dataset,
+    write_libero_like_dataset,
+)
 
 TINY_ASSETS = DATA_DIR / "vla_tiny"
 TRAIN_STEPS = 3
@@ -37,10 +43,7 @@ def composed(overrides: list[str]) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def vla_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    with shared_by_workers(tmp_path_factory, "vla_presets/dataset") as root:
-        if not (root / "meta" / "info.json").is_file():
-            write_vla_dataset(root)
-        return root
+    return shared_vla_dataset(tmp_path_factory)
 
 
 def test_the_shipped_tiny_assets_are_what_the_script_writes(tmp_path: Path) -> None:
@@ -119,3 +122,42 @@ def test_a_rollout_hands_the_policy_the_scene_instruction(preset: str, trained: 
     assert told.shape == (NUM_JOINTS,) and np.isfinite(told).all()
     np.testing.assert_array_equal(first_action(TASK), told)
     assert np.abs(first_action("Open the drawer.") - told).max() > 1e-6
+
+
+def test_pi05_libero_composes_as_the_guide_trains_it() -> None:
+    cfg = composed(["experiment=pi05_libero"])
+    assert cfg.policy.type == "pi05" and cfg.policy.path == "lerobot/pi05_base"
+    assert cfg.policy.dtype == "bfloat16" and cfg.policy.gradient_checkpointing
+    assert cfg.dataset.repo_id == "HuggingFaceVLA/libero"
+    assert cfg.parallelism.dp_shard == -1 and cfg.accelerator.mixed_precision == "bf16"
+    assert cfg.batch_size * 8 == 32 and cfg.eval.n_episodes == 0
+
+
+def test_pi05_libero_offline_without_the_base_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Nothing is downloaded: with an empty Hugging Face cache and HF_HUB_OFFLINE=1 the start names the command
+    that fetches the base."""
+    proc = run_train(["experiment=pi05_libero", f"output_dir={tmp_path / 'run'}"], check=False, timeout=120,
+                     env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+                          "HF_LEROBOT_HOME": str(tmp_path / "lerobot"), "HYDRA_FULL_ERROR": "0"})
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("lerobot-mg-train: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "policy.path='lerobot/pi05_base'" in errors[0] and "hf download lerobot/pi05_base" in errors[0]
+    assert "Traceback" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+def test_pi05_libero_is_planned_for_8_gpus_from_one_process(tmp_path: Path) -> None:
+    """The full-size pi0.5 of the preset, planned for 8 ranks on a local dataset with LIBERO's features (the base's
+    weights and the Hub dataset are what a real start adds): FSDP2 over 8 shards, the effective batch of 32, the
+    27 SigLIP layers as units; nothing is started or written."""
+    root = write_libero_like_dataset(tmp_path / "libero_like")
+    proc = run_train(["experiment=pi05_libero", "plan=true", "plan_world_size=8", "policy.path=null",
+                      f"dataset.root={root}", f"output_dir={tmp_path / 'never_written'}"], timeout=240,
+                     env={"HF_HUB_OFFLINE": "1"})
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("memory plan:"))
+    assert lines[header] == ("memory plan: FSDP2: 8 shards; batch_size 4 x dp_world_size 8 x grad_accum 1 = "
+                             "effective batch 32")
+    assert any("(PI05Policy._fsdp_wrap_modules=['SiglipEncoderLayer']): 27" in line for line in lines[header:])
+    assert sum(line.startswith("  rank ") for line in lines[header:]) == 8
+    assert any(line.startswith(("  fit:", "  does not fit:")) for line in lines[header:])
+    assert not (tmp_path / "never_written").exists() and "lerobot_mg train:" not in proc.stdout
