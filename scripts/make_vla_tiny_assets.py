@@ -1,8 +1,6 @@
 """Write the tiny tokenizers (and the tiny SmolVLM's config) that the CPU presets experiment=aloha_pi0_tiny,
-aloha_pi05_tiny and aloha_smolvla_tiny read, into lerobot_mg/data/vla_tiny/ (package data):
-
-    python scripts/make_vla_tiny_assets.py                 # rewrites lerobot_mg/data/vla_tiny/{paligemma,smolvlm}
-    python scripts/make_vla_tiny_assets.py --out /tmp/x    # elsewhere (the test compares the two)
+aloha_pi05_tiny and aloha_smolvla_tiny read, into lerobot_mg/data/vla_tiny/{paligemma,smolvlm} (package data), or
+with --out DIR elsewhere (tests/unit/test_vla_presets.py compares the two).
 
 The real tokenizers (PaliGemma's 257,152 tokens, SmolVLM2's 49,280) would need the Hub and embedding tables larger
 than the tiny models themselves. These are trained here with the `tokenizers` library on a fixed corpus (the ALOHA
