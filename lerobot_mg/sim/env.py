@@ -29,6 +29,9 @@ MAX_REWARD = 4
 EPISODE_LENGTH = 400
 CAMERA = "top"
 IMAGE_KEY = f"observation.images.{CAMERA}"
+# The scene's instruction: every generated demo's task string, and what a policy that reads language (pi0, pi0.5,
+# SmolVLA) is told at each step of an evaluation rollout (gym-aloha's wording, as in lerobot/aloha_sim_transfer_cube_*).
+TASK = "Pick up the cube with the right arm and transfer it to the left arm."
 # Evaluation seeds start here (conf: eval.seed_start), so dataset seeds must stay below it.
 HELD_OUT_SEED_START = 100_000
 # Largest offscreen buffer the ALOHA scene declares.

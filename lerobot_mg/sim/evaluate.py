@@ -30,6 +30,7 @@ from lerobot_mg.sim.env import (
     IMAGE_KEY,
     MAX_REWARD,
     NUM_JOINTS,
+    TASK,
     CameraRenderer,
     SimObservation,
     TransferCubeSim,
@@ -66,14 +67,19 @@ class Controller(Protocol):
 class PolicyController:
     """Runs a policy: preprocessor -> ``select_action`` (its own chunk queue) -> postprocessor, in eval mode.
 
+    Each observation goes in with the scene's instruction as its ``task`` (``task``, by default the transfer-cube's
+    :data:`TASK`), as LeRobot's environments hand theirs over: the preprocessor of a policy that reads language (pi0,
+    pi0.5, SmolVLA) turns it into the prompt's tokens; the others' preprocessors pass it by.
+
     :meth:`load` reads a saved one. A PEFT checkpoint runs as base + adapter: merged into the weights by default, or
     as the peft model (``merge_adapter=False``), which gives the same actions up to float rounding. Each episode
     starts from torch's global generator seeded with the episode's seed, so a policy that samples (Diffusion) gives
     the same rollout for a seed wherever it runs (training wraps evaluation in a fork of the generators)."""
 
     def __init__(self, policy: Any, preprocessor: Any, postprocessor: Any, device: str | torch.device = "cpu",
-                 source: str = "the policy") -> None:
+                 source: str = "the policy", task: str = TASK) -> None:
         self.device = torch.device(device)
+        self.task = task
         self.policy = policy.to(self.device).eval()
         self.preprocessor, self.postprocessor = preprocessor.to(self.device), postprocessor.to(self.device)
         self.image_size = check_sim_policy(self.policy.input_features, self.policy.output_features, source)
@@ -96,6 +102,7 @@ class PolicyController:
                 # Datasets decode video frames to float CHW in [0, 1]; the policy was trained on those.
                 value = value.permute(2, 0, 1).float() / 255.0
             batch[key] = value.float().unsqueeze(0)
+        batch["task"] = [self.task]
         with torch.inference_mode():
             action_BA = self.policy.select_action(self.preprocessor(batch))
             action_BA = self.postprocessor({"action": action_BA})["action"]

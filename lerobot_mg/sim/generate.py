@@ -30,12 +30,12 @@ from lerobot_mg.sim.env import (
     IMAGE_KEY,
     MAX_REWARD,
     NUM_JOINTS,
+    TASK,
     CameraRenderer,
     TransferCubeSim,
 )
 from lerobot_mg.sim.expert import record_expert_demo
 
-TASK = "Pick up the cube with the right arm and transfer it to the left arm."
 ROBOT_TYPE = "aloha"
 COMPLETE_MARKER = "generation_complete.json"
 JOINT_NAMES = [
