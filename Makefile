@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup lock test-latest train train-image train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
+.PHONY: setup lock test-latest train train-image train-vla train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
 # The versions CI tested, pinned with hashes (make lock writes it): every package but torch, extras included.
 LOCK := requirements/lock.txt
@@ -52,6 +52,13 @@ train: setup
 train-image: setup
 	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)_images" num_episodes=10 image_size="[240,320]"
 	$(PY) scripts/train.py experiment=aloha_image
+
+# pi0, pi0.5 or SmolVLA at CPU size (experiment=aloha_<VLA>_tiny) on the image demos with the task's instruction,
+# evaluated in simulation: make train-vla VLA=pi0 (or pi05, smolvla).
+VLA ?= smolvla
+train-vla: setup
+	$(PY) scripts/make_dataset.py root="$(EMBEDDED_ROOT)_images" num_episodes=10 image_size="[240,320]"
+	$(PY) scripts/train.py experiment=aloha_$(VLA)_tiny
 
 # Diffusion Policy (experiment=aloha_diffusion) on the same embedded demos, state-only, evaluated in sim.
 train-diffusion: setup

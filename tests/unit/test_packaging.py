@@ -114,6 +114,10 @@ def test_a_wheel_installed_elsewhere_trains_the_debug_preset_from_another_direct
     package_file, conf_dir = (Path(line) for line in where.stdout.splitlines())
     assert package_file == site / "lerobot_mg" / "__init__.py"  # the wheel's copy, not this checkout
     assert conf_dir == site / "lerobot_mg" / "conf"
+    # The tiny VLA presets' tokenizers (and SmolVLM config) ship with the wheel: they resolve from any directory.
+    shipped = site / "lerobot_mg" / "data" / "vla_tiny"
+    assert {path.relative_to(shipped).as_posix() for path in shipped.rglob("*.json")} >= {
+        "paligemma/tokenizer.json", "smolvlm/tokenizer.json", "smolvlm/config.json"}
 
     help_page = _run([bin_dir / "lerobot-mg-train", "--help"], env=env, cwd=elsewhere)
     assert help_page.returncode == 0 and help_page.stdout.startswith("lerobot-mg-train: "), help_page.stdout[-6000:]
