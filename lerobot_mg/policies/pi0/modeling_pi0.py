@@ -238,8 +238,10 @@ class PI0Policy(PreTrainedPolicy):
                 checkpoint_activations(vlm_layer)
 
     def example_batch(self, batch_size: int) -> dict[str, Tensor]:
-        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes)."""
-        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length)}
+        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes) and each
+        sample's seed, on the host whatever the default device (the training noise is drawn there from it)."""
+        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length),
+                SAMPLE_SEED_KEY: torch.arange(batch_size, device="cpu")}
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """[(VLM layer i, expert layer i)]: each joint layer is one FSDP2 unit (gathered and resharded together)."""

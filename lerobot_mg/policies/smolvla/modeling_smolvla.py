@@ -333,8 +333,10 @@ class SmolVLAPolicy(PreTrainedPolicy):
         load_state_dict_strictly(self, state_dict, str(weights_path), str(Path(directory) / CONFIG_NAME))
 
     def example_batch(self, batch_size: int) -> dict[str, Tensor]:
-        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes)."""
-        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length)}
+        """The base's zeros plus a prompt of tokenizer_max_length tokens (the longest the processor makes) and each
+        sample's seed, on the host whatever the default device (the training noise is drawn there from it)."""
+        return {**super().example_batch(batch_size), **example_language(batch_size, self.config.tokenizer_max_length),
+                SAMPLE_SEED_KEY: torch.arange(batch_size, device="cpu")}
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """The joint layers, each sharded as one unit: (VLM language layer i, expert layer i)."""

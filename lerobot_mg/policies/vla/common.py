@@ -160,7 +160,7 @@ def sample_beta(alpha: float, beta: float, batch_size: int, generator: torch.Gen
     """(batch_size,) float32 draws of Beta(alpha, beta) on the CPU; with no generator the same numbers as
     ``torch.distributions.Beta(alpha, beta).sample((batch_size,))`` from the global RNG (it samples the same
     two-component Dirichlet)."""
-    concentration = torch.tensor([alpha, beta], dtype=torch.float32).expand(batch_size, 2)
+    concentration = torch.tensor([alpha, beta], dtype=torch.float32, device="cpu").expand(batch_size, 2)
     return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
 
 

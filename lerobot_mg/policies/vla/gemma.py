@@ -127,7 +127,9 @@ class GemmaRotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
         positions = position_ids[:, None, :].float()
-        device_type = x.device.type if x.device.type != "mps" else "cpu"
+        # Autocast off (the angles stay float32 under mixed precision); the meta device (the memory plan's shapes-only
+        # forward) has no autocast and computes in float32 anyway.
+        device_type = "cpu" if x.device.type in ("mps", "meta") else x.device.type
         with torch.autocast(device_type=device_type, enabled=False):
             freqs = (inv_freq.float() @ positions.float()).transpose(1, 2)
             angles = torch.cat((freqs, freqs), dim=-1)
