@@ -10,9 +10,11 @@ import functools
 import pytest
 import torch
 
+from lerobot_mg.config.pi0 import PI0Config
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.distributed.memory import MemoryPlan, plan_memory, plan_table
 from lerobot_mg.distributed.parallel_dims import ParallelDims
+from lerobot_mg.policies import make_policy
 from tests.joint_toy import PI0_SIZES, Sizes, ToyJointPolicy
 
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (2, 8)]  # (dp_replicate, dp_shard)
@@ -126,3 +128,22 @@ def test_print_the_pi0_table(capsys: pytest.CaptureFixture[str]) -> None:
             assert sharded[6] == "0.00" and sharded[7] == "0.00"  # no evaluation copy, no window beyond .grad
         assert float(cells[f"HSDP 2x8 {words}"][7]) > 0  # the shard waiting for the replica all-reduce
     assert float(cells["FSDP-2 bf16"][4]) * 2 == pytest.approx(float(cells["FSDP-2 fp32"][4]), abs=0.011)
+
+
+def test_the_real_pi0_plans_as_its_shape_does() -> None:
+    """LeRobot's full-size pi0 (our build, on the meta device): the plan counts exactly its parameters, its 18
+    joint units, and its per-rank state falls as 1/N; frozen unused parameters hold no gradient or moment."""
+    features = {"observation.images.top": {"dtype": "video", "shape": [224, 224, 3]},
+                "observation.state": {"dtype": "float32", "shape": [8]}, "action": {"dtype": "float32", "shape": [7]}}
+    with torch.device("meta"):
+        policy = make_policy(PI0Config(), features)
+    policy.example_batch = None  # the persistent state only (the activation estimate is the table test's)
+    plan = _plan(_cfg("no"), 1, 8, policy)
+    lines = plan.describe()
+    assert "  parameters: 4,028,019,472" in lines
+    assert any(line.startswith("  joint units: 18 (") for line in lines)
+    unused = sum(p.numel() for name, p in policy.named_parameters() if name in set(policy.unused_parameter_names()))
+    assert unused > 789_970_944  # both language heads and the last VLM layer's output side
+    replicated = _plan(_cfg("no"), 8, 1, policy)
+    assert replicated.busiest.gradients == (4_028_019_472 - unused) * 4
+    assert plan.busiest.total / replicated.busiest.total <= 1 / 8 + 0.02
