@@ -6,6 +6,10 @@ evaluation hold for a while."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.policies import make_policy
 from tests.joint_toy import PI0_SIZES, Sizes, ToyJointPolicy
 
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (2, 8)]  # (dp_replicate, dp_shard)
 
 
@@ -147,3 +152,15 @@ def test_the_real_pi0_plans_as_its_shape_does() -> None:
     replicated = _plan(_cfg("no"), 8, 1, policy)
     assert replicated.busiest.gradients == (4_028_019_472 - unused) * 4
     assert plan.busiest.total / replicated.busiest.total <= 1 / 8 + 0.02
+
+
+def test_plan_table_script_prints_the_docs_table() -> None:
+    """`python scripts/plan_table.py` prints the full-size pi0 table docs/sharding.md shows, row for row."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "plan_table.py")], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(printed) == 1 + 12
+    documented = (REPO / "docs" / "sharding.md").read_text().splitlines()
+    start = documented.index(printed[0])
+    assert documented[start:start + 14] == [printed[0], "|" + "---|" * 9, *printed[1:]]
