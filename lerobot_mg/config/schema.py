@@ -26,6 +26,8 @@ from lerobot_mg.config.choices import (
     WandbMode,
 )
 from lerobot_mg.config.diffusion import DiffusionConfig
+from lerobot_mg.config.pi0 import PI0Config
+from lerobot_mg.config.pi05 import PI05Config
 from lerobot_mg.config.policy import PolicyConfig
 from lerobot_mg.config.smolvla import SmolVLAConfig
 from lerobot_mg.errors import config_error
@@ -38,7 +40,8 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 # The config dataclass of each policy: the schema of its `policy` preset; lerobot_mg.policies.registry maps the same
 # names to the policy classes.
 POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {
-    "act": ACTConfig, "diffusion": DiffusionConfig, "smolvla": SmolVLAConfig,
+    "act": ACTConfig, "diffusion": DiffusionConfig, "pi0": PI0Config, "pi05": PI05Config,
+    "smolvla": SmolVLAConfig,
 }
 
 
