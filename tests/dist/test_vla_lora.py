@@ -168,20 +168,23 @@ def test_fsdp2_and_hsdp2x2_train_the_same_adapter(lora_run, workdir, policy: str
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_resume_lands_on_the_straight_runs_adapter(lora_run, workdir, policy: str) -> None:  # noqa: ANN001
-    lora_run(policy, "hsdp2x2")
+    """From the FSDP-2 run's step-1 checkpoint (adapter file and DCP shards): the base is rebuilt from the recorded
+    path, the adapter and its optimizer state read back, and step 2 gives the straight run's adapter to the bit."""
+    lora_run(policy, "fsdp2")
     where = workdir(policy)
-    copy = where.path / "hsdp2x2_resumed"
+    copy = where.path / "fsdp2_resumed"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(where.path / "hsdp2x2", copy, symlinks=True)
+    shutil.copytree(where.path / "fsdp2", copy, symlinks=True)
     root = L.checkpoints_root(copy)
     shutil.rmtree(root / L.step_dir_name(STEPS))
     (root / L.LAST_LINK).unlink()
     (root / L.LAST_LINK).symlink_to(L.step_dir_name(1))
     config = root / L.LAST_LINK / L.PRETRAINED_MODEL_DIR / L.TRAIN_CONFIG_JSON
-    proc = run_train(["resume=true", f"config_path={config}"], nproc=4, env=where.env, cwd=where.path, timeout=420)
+    proc = run_train(["resume=true", f"config_path={config}"], nproc=LAYOUTS["fsdp2"][0], env=where.env,
+                     cwd=where.path, timeout=420)
     assert "resumed at loop step 1" in proc.stdout
-    straight = load_file(str(where.adapter_dir("hsdp2x2") / L.ADAPTER_SAFETENSORS))
-    resumed = load_file(str(where.adapter_dir("hsdp2x2_resumed") / L.ADAPTER_SAFETENSORS))
+    straight = load_file(str(where.adapter_dir("fsdp2") / L.ADAPTER_SAFETENSORS))
+    resumed = load_file(str(where.adapter_dir("fsdp2_resumed") / L.ADAPTER_SAFETENSORS))
     assert straight.keys() == resumed.keys()
     for key, tensor in straight.items():
         assert torch.equal(resumed[key], tensor), key
