@@ -37,7 +37,7 @@ from lerobot_mg.policies.base import PreTrainedPolicy, safetensors_ready
 from lerobot_mg.policies.registry import get_policy_class, load_pretrained
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
 METHOD_TYPES = ("LORA",)
 PEFT_NAME_PREFIX = "base_model.model."  # what PeftModel puts before the policy's own module names
@@ -53,10 +53,19 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith(f".{target}")
 
 
-def resolve_targets(peft_cfg: PeftConfig, policy_class: type[PreTrainedPolicy]) -> list[str]:
-    return list(peft_cfg.target_modules) if peft_cfg.target_modules is not None else list(
-        policy_class._peft_target_modules
-    )
+def resolve_targets(peft_cfg: PeftConfig, policy_class: type[PreTrainedPolicy]) -> list[str] | str:
+    """The LoRA targets as peft takes them: a list of module names (or name suffixes), or one regular expression
+    (a string, as LeRobot declares the VLAs' defaults) that peft matches against each whole module name."""
+    targets = peft_cfg.target_modules if peft_cfg.target_modules is not None else policy_class._peft_target_modules
+    return targets if isinstance(targets, str) else list(targets)
+
+
+def _matched_modules(targets: list[str] | str, modules: dict[str, nn.Module]) -> dict[str, list[str]]:
+    """Each target (the regex, or each name of the list) -> the module names peft adapts for it."""
+    if isinstance(targets, str):
+        pattern = re.compile(targets)
+        return {targets: [name for name in modules if name and pattern.fullmatch(name)]}
+    return {target: [name for name in modules if name and _matches(name, target)] for target in targets}
 
 
 def _skeleton(cfg: TrainConfig) -> PreTrainedPolicy:
@@ -104,11 +113,17 @@ def check_peft_config(cfg: TrainConfig, sharded: bool) -> None:
             "peft.target_modules", targets, f"{type(skeleton).__name__} declares no default LoRA targets",
             f"peft.target_modules='[{adaptable[0]}]' (the policy has {adaptable})",
         )
-    for target in targets:
-        matched = [name for name in modules if name and _matches(name, target)]
+    try:
+        matches = _matched_modules(targets, modules)
+    except re.error as error:
+        raise config_error("peft.target_modules", targets, f"is not a regular expression ({error})",
+                           "a pattern Python's re module compiles, or a list of module names") from error
+    for target, matched in matches.items():
         if not matched:
+            how = ("as a regular expression it matches no whole module name" if isinstance(targets, str)
+                   else "names no module")
             raise config_error(
-                "peft.target_modules", targets, f"{target!r} names no module of {type(skeleton).__name__}",
+                "peft.target_modules", targets, f"{target!r} {how} of {type(skeleton).__name__}",
                 f"choose among its adaptable modules {adaptable}",
             )
         for name in matched:
@@ -122,8 +137,13 @@ def check_peft_config(cfg: TrainConfig, sharded: bool) -> None:
             )
     pattern = cfg.accelerator.fsdp.ignored_modules
     if sharded and pattern is not None:
+        from peft import get_peft_model
+
         regex = re.compile(pattern)
-        if not any(regex.fullmatch(PEFT_NAME_PREFIX + name) for name in modules if name):
+        # The names the run's PEFT model has (LoRA's base_layer / lora_A / lora_B, full-training copies' ...),
+        # from the skeleton wrapped as the run wraps the base.
+        wrapped = get_peft_model(skeleton, _lora_config(peft_cfg, type(skeleton)), adapter_name=ADAPTER_NAME)
+        if not any(regex.fullmatch(name) for name, _ in wrapped.named_modules() if name):
             raise config_error(
                 "accelerator.fsdp.ignored_modules", pattern,
                 f"matches no module of the PEFT model, whose module names begin with {PEFT_NAME_PREFIX!r} and "
@@ -131,7 +151,7 @@ def check_peft_config(cfg: TrainConfig, sharded: bool) -> None:
             )
 
 
-def _check_target(targets: list[str], target: str, name: str, module: nn.Module, in_attention: bool,
+def _check_target(targets: list[str] | str, target: str, name: str, module: nn.Module, in_attention: bool,
                   sharded: bool, adaptable: list[str]) -> None:
     if in_attention:
         raise config_error(
@@ -153,24 +173,32 @@ def _check_target(targets: list[str], target: str, name: str, module: nn.Module,
         )
 
 
+def _lora_config(peft_cfg: PeftConfig, policy_class: type[PreTrainedPolicy]) -> LoraConfig:
+    """peft's LoraConfig of ``peft.*``; the targets as :func:`resolve_targets` gives them (a regex unchanged: peft
+    full-matches a string against each module name)."""
+    from peft import LoraConfig
+
+    alpha = peft_cfg.alpha()
+    return LoraConfig(
+        r=peft_cfg.r,
+        # Always explicit: peft's default (8) would scale the adapter by 8 / r. An integer when it is one (PEFT's type).
+        lora_alpha=int(alpha) if alpha.is_integer() else alpha,
+        lora_dropout=peft_cfg.dropout,
+        target_modules=resolve_targets(peft_cfg, policy_class),
+        modules_to_save=list(peft_cfg.full_training_modules) if peft_cfg.full_training_modules else None,
+        bias="none",
+    )
+
+
 def wrap_with_lora(policy: PreTrainedPolicy, peft_cfg: PeftConfig, base_path: str,
                    base_name: str | None = None) -> PeftModel:
     """The base frozen, LoRA adapters (fp32) on the targets, trainable copies of ``full_training_modules`` (in
     the base's dtype). ``base_path`` is the base's directory here, ``base_name`` the base as typed (``policy.path``,
     or the ``policy.pretrained_path`` that records it): adapter_config.json records it as :class:`BaseRecord`
     says, with the sha256 of the base's weights."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    alpha = peft_cfg.alpha()
-    config = LoraConfig(
-        r=peft_cfg.r,
-        # Always explicit: peft's default (8) would scale the adapter by 8 / r. An integer when it is one (PEFT's type).
-        lora_alpha=int(alpha) if alpha.is_integer() else alpha,
-        lora_dropout=peft_cfg.dropout,
-        target_modules=resolve_targets(peft_cfg, type(policy)),
-        modules_to_save=list(peft_cfg.full_training_modules) if peft_cfg.full_training_modules else None,
-        bias="none",
-    )
+    config = _lora_config(peft_cfg, type(policy))
     model = get_peft_model(policy, config, adapter_name=ADAPTER_NAME)
     # get_peft_model takes the name from the model (a transformers attribute our policies lack).
     # In memory the base is where it is on this machine (PEFT looks there for its config.json); the files name it
@@ -217,7 +245,10 @@ class AdapterWeights:
         names = [name for name, param in model.named_parameters() if param.requires_grad]
         # Distinct placeholder tensors: peft renames and filters the dict, and identity says which went where.
         placeholders = {name: torch.empty(0) for name in names}
-        renamed = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=ADAPTER_NAME)
+        # save_embedding_layers=False: no vocabulary is ever resized here, and peft's "auto" would read the base's
+        # config class back with transformers' from_pretrained, which a policy config has not.
+        renamed = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=ADAPTER_NAME,
+                                            save_embedding_layers=False)
         name_of = {id(tensor): name for name, tensor in placeholders.items()}
         key_of = {name_of[id(tensor)]: key for key, tensor in renamed.items()}
         if sorted(key_of) != sorted(names) or len(set(key_of.values())) != len(key_of):
