@@ -185,8 +185,9 @@ class PreTrainedPolicy(nn.Module, abc.ABC):
     # Class names of the blocks accelerator.activation_checkpointing recomputes; empty: the wrap units. Declared
     # where wrap units chosen by size would make poor segments (a single conv, or a whole network at once).
     _checkpoint_modules: ClassVar[list[str]] = []
-    # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null.
-    _peft_target_modules: ClassVar[list[str]] = []
+    # Module names (or name suffixes) that LoRA adapts when peft.target_modules is null, or one regular expression
+    # full-matched against module names (as peft and LeRobot's VLAs spell it).
+    _peft_target_modules: ClassVar[list[str] | str] = []
 
     def fsdp_unit_groups(self) -> list[tuple[nn.Module, ...]]:
         """Groups of modules that FSDP2 shards as ONE unit each (``fully_shard([m1, m2, ...])``), before the

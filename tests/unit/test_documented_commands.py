@@ -28,6 +28,7 @@ COVERED_BY: list[tuple[str, str]] = [
     ("torchrun --nproc-per-node=2 $(which lerobot-mg-train) --dataset.repo_id=", "tests/dist/test_guide_commands.py::test_launching"),
     ("python scripts/train.py -m hydra/launcher=slurm", "tests/dist/test_slurm.py::test_each_sweep_job_has_its_own_run_directory"),
     ("torchrun --nnodes=2", "tests/dist/test_local_sweep.py::test_local_sweep_on_two_nodes_runs_each_point_as_its_own_run"),
+    ("torchrun --nproc-per-node=4 scripts/train.py policy.path=lerobot/smolvla_base", "tests/dist/test_vla_lora_runs.py::test_the_adapter_alone_trains_and_is_saved_in_lerobots_layout"),
     ("torchrun --nproc-per-node=4 scripts/train.py policy.path=", "tests/dist/test_peft_runs.py::test_sharded_lora_matches_one_process"),
     ("torchrun --nproc-per-node=4 scripts/train.py experiment=aloha_state", "tests/sim/test_eval_during_training.py::test_evaluation_spread_over_the_ranks_equals_one_process"),
     ("torchrun --nproc-per-node=4", "tests/dist/test_layouts.py::test_hsdp_mesh_is_two_replicas_of_two_shards"),

@@ -1,7 +1,7 @@
 """Joint layers as FSDP2 units, on one process: the policy's ``fsdp_unit_groups()`` become grouped units beside the
 class-name units, what the plan says about them, the tie check, frozen unused parameters, and activation
 checkpointing of the outer (VLM) layer recomputing the nested expert layer. The sharded behaviour (gathered
-together, resharded after, numbers equal to one process) is in tests/dist/test_joint_units.py."""
+together, resharded after, numbers equal to one process) is in tests/dist/test_joint_units_ranks.py."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_checkpointing_the_vlm_layer_recomputes_the_nested_expert_layer_with_the
 
 def test_sharded_accumulation_reduce_scatters_every_micro_batch_and_ddp_keeps_no_sync() -> None:
     """accelerate enters ``no_sync`` (full unsharded gradients on every rank under FSDP2) unless ``sync_each_batch``;
-    a sharded layout sets it, DDP keeps its one all-reduce per window (tests/dist/test_joint_units.py measures what a
+    a sharded layout sets it, DDP keeps its one all-reduce per window (tests/dist/test_joint_units_ranks.py measures what a
     rank holds inside the window)."""
     for (replicate, shard, world), sharded in (((2, 1, 2), False), ((1, 2, 2), True), ((2, 2, 4), True)):
         plugin = accumulation_plugin(4, ParallelDims.resolve(replicate, shard, world, launched=True))

@@ -391,11 +391,13 @@ def test_declares_the_joint_layers_as_units_and_checkpoints_them(ref: dict[str, 
             torch.testing.assert_close(p.grad, plain[name], atol=0.0, rtol=0.0)
 
 
-def test_lerobots_default_lora_targets_are_the_experts_query_and_value_projections() -> None:
+def test_lerobots_default_lora_targets_are_the_experts_query_value_and_the_projections() -> None:
     policy = load_policy()
-    expected = [f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "qv"]
+    expected = [*(f"model.{p}" for p in ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in",
+                                         "action_time_mlp_out")),
+                *(f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "qv")]
     names = [name for name, _ in policy.named_modules() if re.fullmatch(policy._peft_target_modules, name)]
-    assert names == expected
+    assert sorted(names) == sorted(expected)
     adapted = get_peft_model(policy, LoraConfig(r=2, target_modules=policy._peft_target_modules))
     lora_a = sorted({name.removeprefix("base_model.model.").split(".lora_A")[0]
                      for name, _ in adapted.named_parameters() if ".lora_A." in name})

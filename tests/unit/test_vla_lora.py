@@ -32,7 +32,6 @@ from tests import vla_fixtures as vf
 # adapt the action expert's query and value projections and the action/state/time projections.
 LEROBOT_PI_TARGETS = (r"(.*\.gemma_expert\..*\.self_attn\.(q|v)_proj|model\.(state_proj|action_in_proj|action_out_proj"
                       r"|action_time_mlp_in|action_time_mlp_out))")
-SMOLVLA_EXPERT_QV = r"model\.vlm_with_expert\.lm_expert\..*\.(q|v)_proj"
 PI0_PROJECTIONS = ("action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out", "state_proj")
 PI05_PROJECTIONS = ("action_in_proj", "action_out_proj")
 
@@ -79,16 +78,14 @@ def test_smolvlas_default_regex_reaches_peft_unchanged(tmp_path: Path) -> None:
         check_peft_config(cfg, sharded=True)
         adapted = _adapted(policy, cfg)
     layers = policy.config.num_vlm_layers
-    assert adapted == sorted(f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj"
-                             for i in range(layers) for p in "qv")
+    assert adapted == sorted([*(f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj"
+                                for i in range(layers) for p in "qv"), *(f"model.{p}" for p in PI0_PROJECTIONS)])
     assert policy.peft_config["default"].target_modules == SmolVLAPolicy._peft_target_modules  # not split up
 
 
 @pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
-def test_pi0_takes_lerobots_default_targets(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    declared = vars(PI0Policy).get("_peft_target_modules", LEROBOT_PI_TARGETS)  # h1's declaration, once it has one
-    assert declared == LEROBOT_PI_TARGETS
-    monkeypatch.setattr(PI0Policy, "_peft_target_modules", LEROBOT_PI_TARGETS)
+def test_pi0_takes_lerobots_default_targets(name: str, tmp_path: Path) -> None:
+    assert PI0Policy._peft_target_modules == LEROBOT_PI_TARGETS
     policy, cfg = _config(name, tmp_path)
     check_peft_config(cfg, sharded=True)
     adapted = _adapted(policy, cfg)

@@ -212,6 +212,10 @@ class PI0Policy(PreTrainedPolicy):
     _fsdp_wrap_modules: ClassVar[list[str]] = [SIGLIP_LAYER_CLASS]
     # Activation checkpointing recomputes each joint layer (the VLM layer's forward runs the expert's inside).
     _checkpoint_modules: ClassVar[list[str]] = ["VLMDecoderLayer"]
+    # LeRobot 0.6.1's default LoRA targets: the expert's q/v projections and the action/state/time projections
+    # (pi0.5 has no state_proj, and its time MLP is named time_mlp_*: only the action projections match there).
+    _peft_target_modules: ClassVar[str] = (r"(.*\.gemma_expert\..*\.self_attn\.(q|v)_proj|model\.(state_proj"
+                                           r"|action_in_proj|action_out_proj|action_time_mlp_in|action_time_mlp_out))")
     # The state enters the suffix as a token (pi0.5 puts it in the prompt instead).
     reads_state: ClassVar[bool] = True
 

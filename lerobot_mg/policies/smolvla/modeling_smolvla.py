@@ -280,7 +280,9 @@ class SmolVLAPolicy(PreTrainedPolicy):
     _checkpoint_modules: ClassVar[list[str]] = ["SmolVLAVLMLayer"]
     # LeRobot's default LoRA targets for SmolVLA: the expert's query and value projections (a regex over the
     # module names).
-    _peft_target_modules: ClassVar[str] = r"model\.vlm_with_expert\.lm_expert\..*\.(q|v)_proj"  # type: ignore[assignment]
+    # LeRobot 0.6.1's default LoRA targets: the expert's q/v projections and the action/state/time projections.
+    _peft_target_modules: ClassVar[str] = (r"(model\.vlm_with_expert\.lm_expert\..*\.(q|v)_proj|model\.(state_proj"
+                                           r"|action_in_proj|action_out_proj|action_time_mlp_in|action_time_mlp_out))")
 
     def __init__(
         self,

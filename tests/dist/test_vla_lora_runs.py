@@ -30,6 +30,8 @@ from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.peft.base import BASE_SHA256_KEY, weights_sha256
 from lerobot_mg.peft.lora import load_policy
+from lerobot_mg.policies.pi0.modeling_pi0 import PI0Policy
+from lerobot_mg.policies.smolvla import SmolVLAPolicy
 from lerobot_mg.processors import PolicyProcessorPipeline
 from tests import vla_fixtures as vf
 from tests.launch_utils import PUSHT_SLICE, run_train, shared_by_workers
@@ -48,11 +50,11 @@ SMOLVLA_TINY = [f"policy.vlm_model_name={vf.FIXTURES / 'smolvla_tiny' / 'tiny_vl
                 "policy.resize_imgs_with_padding=[32,32]", "policy.num_vlm_layers=2"]
 BASES = {"pi0": ["policy=pi0", *PI0_TINY], "smolvla": ["policy=smolvla", *SMOLVLA_TINY]}
 SMALL = ["policy.chunk_size=4", "policy.n_action_steps=4", "policy.max_state_dim=4", "policy.max_action_dim=4"]
-# LeRobot 0.6.1's default pi0 targets (modeling_pi0.py:1134) as the list of names they match in the tiny base: pi0
-# declares no default of its own yet (tests/unit/test_vla_lora.py checks the regex); SmolVLA's default is its regex.
+# The modules LeRobot 0.6.1's default targets (regular expressions, declared by each policy) match in the tiny bases.
+PROJECTIONS = ["state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out"]
 PI0_TARGETS = [*(f"gemma_expert.model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qv"),
                "state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out"]
-LORA = {"pi0": [f"peft.target_modules=[{','.join(PI0_TARGETS)}]"], "smolvla": []}
+LORA = {"pi0": [], "smolvla": []}  # both take LeRobot's default regex
 LAYOUTS = {  # name -> (processes, overrides); 4 samples per update in both
     "fsdp2": (2, ["batch_size=2", "parallelism.dp_shard=2", "checkpoint.format=safetensors_dcp"]),
     "hsdp2x2": (4, ["batch_size=1", "parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
@@ -133,15 +135,15 @@ def test_the_adapter_alone_trains_and_is_saved_in_lerobots_layout(workdir, lora_
                                                                   layout: str) -> None:
     stdout = lora_run(policy, layout)
     where = workdir(policy)
-    targets = "model\\.vlm_with_expert\\.lm_expert\\..*\\.(q|v)_proj" if policy == "smolvla" else str(PI0_TARGETS)
+    targets = (SmolVLAPolicy if policy == "smolvla" else PI0Policy)._peft_target_modules
     assert f"base model: {BASE_DIR} (LORA r=4 lora_alpha=4 on {targets}, full training [])" in stdout
     adapter_dir = where.adapter_dir(layout)
     adapter = load_file(str(adapter_dir / L.ADAPTER_SAFETENSORS))
     assert not (adapter_dir / L.MODEL_SAFETENSORS).exists()
     pattern = re.compile(r"base_model\.model\.(model\..+)\.lora_[AB]\.weight")
     adapted = {pattern.fullmatch(key).group(1) for key in adapter}  # (None for a key of another shape: fails)
-    expected = ({f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qv"}
-                if policy == "smolvla" else
+    expected = ({*(f"model.vlm_with_expert.lm_expert.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qv"),
+                 *(f"model.{p}" for p in PROJECTIONS)} if policy == "smolvla" else
                 {f"model.paligemma_with_expert.{t}" if t.startswith("gemma") else f"model.{t}" for t in PI0_TARGETS})
     assert adapted == expected and len(adapter) == 2 * len(expected)
     assert {tensor.dtype for tensor in adapter.values()} == {torch.float32}
@@ -152,8 +154,8 @@ def test_the_adapter_alone_trains_and_is_saved_in_lerobots_layout(workdir, lora_
     assert config["auto_mapping"]["base_model_class"] == BASE_CLASS[policy]
     assert config["auto_mapping"][BASE_SHA256_KEY] == weights_sha256(where.base)
     assert (config["peft_type"], config["r"], config["inference_mode"]) == ("LORA", 4, True)
-    if policy == "smolvla":  # LeRobot's regex, unchanged (peft full-matches a string)
-        assert config["target_modules"] == "model\\.vlm_with_expert\\.lm_expert\\..*\\.(q|v)_proj"
+    # LeRobot's regex, unchanged (peft full-matches a string)
+    assert config["target_modules"] == (SmolVLAPolicy if policy == "smolvla" else PI0Policy)._peft_target_modules
     assert json.loads((adapter_dir / "config.json").read_text())["use_peft"] is True
 
 
