@@ -164,6 +164,10 @@ class PI0Config(PolicyConfig):
     dimension_overrides: dict[str, dict[str, int | None]] = field(default_factory=_no_dimension_overrides)
     tokenizer_name: str | None = None
 
+    @property
+    def mixed_parameter_dtypes(self) -> str | None:
+        return f"policy.dtype={self.dtype}" if self.dtype == "bfloat16" else None
+
     def training_preset(self) -> TrainingPreset:
         """LeRobot's: AdamW at optimizer_*, cosine decay with warm-up at scheduler_* (see flow_matching_preset)."""
         return flow_matching_preset(self)
@@ -202,6 +206,9 @@ class PI0Config(PolicyConfig):
         check_positive_ints({"chunk_size": self.chunk_size, "max_state_dim": self.max_state_dim,
                              "max_action_dim": self.max_action_dim, "num_inference_steps": self.num_inference_steps,
                              "tokenizer_max_length": self.tokenizer_max_length})
+        if self.use_relative_actions:  # the processors refuse it too (a saved file that enables it)
+            raise config_error("policy.use_relative_actions", True, "lerobot_mg does not train or run relative "
+                               "actions (LeRobot's actions minus the current state)", "policy.use_relative_actions=false")
         if self.n_action_steps > self.chunk_size:
             raise config_error("policy.n_action_steps", self.n_action_steps,
                                f"cannot exceed policy.chunk_size={self.chunk_size}",

@@ -109,6 +109,13 @@ class PolicyConfig:
     vision_channels: list[int] = field(default_factory=_default_vision_channels)
 
     @property
+    def mixed_parameter_dtypes(self) -> str | None:
+        """The setting that builds the policy with trainable parameters of more than one dtype (LeRobot's bfloat16
+        builds keep norms and projections in float32), as ``key=value``; None when every parameter has one dtype.
+        FSDP2 shards such a policy only under mixed precision, which trains float32 master copies."""
+        return None
+
+    @property
     def publishes(self) -> bool:
         """Whether the end of training uploads pretrained_model/ (a repo id is given and push_to_hub is on)."""
         return self.push_to_hub and self.repo_id is not None

@@ -139,6 +139,10 @@ class SmolVLAConfig(PolicyConfig):
         """The current frame only, with a time axis of 1 (as LeRobot loads SmolVLA's observations)."""
         return [0]
 
+    @property
+    def mixed_parameter_dtypes(self) -> str | None:
+        return "policy.load_vlm_weights=true" if self.load_vlm_weights else None
+
     def training_preset(self) -> TrainingPreset:
         """LeRobot's: AdamW at optimizer_*, cosine decay with warm-up at scheduler_* (see flow_matching_preset)."""
         return flow_matching_preset(self)

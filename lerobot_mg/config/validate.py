@@ -95,6 +95,14 @@ def _validate_accelerator(cfg: TrainConfig, sharded: bool) -> None:
             "accelerator.fsdp.min_num_params", fsdp.min_num_params, "must be >= 1",
             "accelerator.fsdp.min_num_params=1000000",
         )
+    mixed = cfg.policy.mixed_parameter_dtypes
+    if sharded and mixed is not None and acc.mixed_precision == MixedPrecision.no:
+        raise config_error(
+            "accelerator.mixed_precision", acc.mixed_precision,
+            f"{mixed} builds trainable parameters of two dtypes (bfloat16, and float32 norms and projections as "
+            "LeRobot keeps them), and FSDP2 shards a unit only when they share one; mixed precision trains float32 "
+            "master copies of them", "accelerator=bf16 (or an unsharded layout)",
+        )
     policy = fsdp.mixed_precision_policy
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         value = getattr(policy, name)

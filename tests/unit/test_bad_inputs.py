@@ -269,6 +269,27 @@ CATALOGUE = [
              "policy.repo_id='me/my_trained_policy': publishes the final checkpoint, which "
              "checkpoint.save_checkpoint=false never writes", "checkpoint.save_checkpoint=true, or policy.push_to_hub=false",
              env={"HF_TOKEN": "hf_x"}),
+    # --- pi0, pi0.5, SmolVLA -------------------------------------------------------------------------------------
+    BadInput("tokenizer_offline_and_not_cached", ["policy=smolvla", f"dataset.root={PUSHT_SLICE}"],
+             "policy.vlm_model_name='HuggingFaceTB/SmolVLM2-500M-Video-Instruct': is not in huggingface_hub's cache, "
+             "and HF_HUB_OFFLINE=1 forbids downloading its tokenizer",
+             'fetch it while online: hf download HuggingFaceTB/SmolVLM2-500M-Video-Instruct --include "tokenizer*" '
+             '--include "*.json" --include "merges.txt"',
+             env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "/nonexistent/hf"}),
+    BadInput("gated_tokenizer_offline", ["policy=pi0", f"dataset.root={PUSHT_SLICE}"],
+             "policy.tokenizer_name='google/paligemma-3b-pt-224': is not in huggingface_hub's cache, and "
+             "HF_HUB_OFFLINE=1 forbids downloading its tokenizer",
+             'fetch it while online: hf download google/paligemma-3b-pt-224 --include "tokenizer*" --include "*.json" '
+             '--include "merges.txt" (google/paligemma-3b-pt-224 is gated: accept its licence on '
+             "https://huggingface.co/google/paligemma-3b-pt-224 first, and log in with that account: hf auth login)",
+             env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "/nonexistent/hf"}),
+    BadInput("relative_actions", ["policy=pi0", "policy.use_relative_actions=true", f"dataset.root={PUSHT_SLICE}"],
+             "policy.use_relative_actions=True: lerobot_mg does not train or run relative actions (LeRobot's actions "
+             "minus the current state)", "policy.use_relative_actions=false"),
+    BadInput("bfloat16_policy_sharded_without_mixed_precision",
+             ["policy=pi0", "policy.dtype=bfloat16", "parallelism=fsdp", f"dataset.root={PUSHT_SLICE}"],
+             "accelerator.mixed_precision='no': policy.dtype=bfloat16 builds trainable parameters of two dtypes",
+             "accelerator=bf16 (or an unsharded layout)", world_size=2),
     BadInput("observation_key_the_dataset_lacks", [*VALID, "policy.observation_keys=[observation.wrist]"],
              "policy.observation_keys=['observation.wrist']: the dataset has no feature ['observation.wrist']",
              "policy.observation_keys=[observation.image,observation.state] or a subset of it"),
