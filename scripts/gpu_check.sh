@@ -25,6 +25,11 @@
 #    neither logs nor saves should have none (`bash scripts/gpu_check.sh sync` runs this part alone).
 # 9. LeRobot's ACT with its ResNet18 camera backbone (frozen batch norm) on CUDA, under FSDP2 on NCCL, with the EMA
 #    and the validation loss on a held-out episode every 10 steps (the evaluation gathers the weights over NCCL).
+# 10. Full-size pi0 (4,028,019,472 parameters) in bf16 on one GPU through the 1-rank distributed path: FSDP2 on a
+#    1-rank mesh with its 18 joint-layer units, LeRobot's bfloat16 build (policy.dtype=bfloat16: vision, projector
+#    and norms float32) under bf16 mixed precision, random weights (no download; the shipped tiny tokenizer stands
+#    in for PaliGemma's gated one). The plan for that layout first, then 10 steps; the peak GPU memory the ledger
+#    records (gpu_peak_memory_gb) is printed beside the plan's per-rank total.
 # Each run prints, from its ledger: loss first -> last, samples/s of the last interval, data_frac, and the training
 # state per rank (rank_bytes.json), plus its checkpoint log lines (bytes and seconds per save).
 set -euo pipefail
@@ -114,7 +119,22 @@ CheckpointManager.close = close
 train()
 PY
 if [ "${1:-}" = sync ]; then
-  sync_check "one GPU" $PY "$SYNC_PROBE"
+  VLA_PI0=(policy=pi0 policy.dtype=bfloat16 accelerator=bf16 "policy.tokenizer_name=lerobot_mg/data/vla_tiny/paligemma"
+         "dataset.root=$DATA" steps=10 batch_size=4 log_freq=5 logging.progress_bar=false
+         checkpoint.save_checkpoint=false eval.n_episodes=0)
+vla_check() {  # name, preset array name: the plan, then the run; the ledger's peak beside the plan's total
+  local -n overrides=$2
+  echo "== $1 at full size: plan for one GPU (FSDP2 on a 1-rank mesh)"
+  "${TR[@]}" "${overrides[@]}" parallelism.dp_shard=-1 plan=true "output_dir=$OUT/$1_plan" 2>&1 \
+      | sed -n '/memory plan:/,$p' | grep -vE "^  rank [1-9]" || true
+  PRESET=$2 run "$1_fsdp1" "${TR[@]}" parallelism.dp_shard=-1
+  grep -ohE '"gpu_peak_memory_gb": [0-9.]+' "$OUT/$1_fsdp1/ledger.jsonl" 2>/dev/null | tail -n 1 \
+      | sed 's/^/   measured peak (GB, 1e9 bytes): /' || true
+}
+vla_check pi0_bf16 VLA_PI0
+covered "full-size pi0 in bf16: 18 joint-layer FSDP2 units on the 1-rank mesh, trained 10 steps" \
+    bash -c "grep -q 'joint units: 18' '$OUT/pi0_bf16_fsdp1.log' && test -f '$OUT/pi0_bf16_fsdp1/rank_bytes.json'"
+sync_check "one GPU" $PY "$SYNC_PROBE"
   sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
       parallelism.dp_shard=-1
   exit 0
