@@ -119,22 +119,7 @@ CheckpointManager.close = close
 train()
 PY
 if [ "${1:-}" = sync ]; then
-  VLA_PI0=(policy=pi0 policy.dtype=bfloat16 accelerator=bf16 "policy.tokenizer_name=lerobot_mg/data/vla_tiny/paligemma"
-         "dataset.root=$DATA" steps=10 batch_size=4 log_freq=5 logging.progress_bar=false
-         checkpoint.save_checkpoint=false eval.n_episodes=0)
-vla_check() {  # name, preset array name: the plan, then the run; the ledger's peak beside the plan's total
-  local -n overrides=$2
-  echo "== $1 at full size: plan for one GPU (FSDP2 on a 1-rank mesh)"
-  "${TR[@]}" "${overrides[@]}" parallelism.dp_shard=-1 plan=true "output_dir=$OUT/$1_plan" 2>&1 \
-      | sed -n '/memory plan:/,$p' | grep -vE "^  rank [1-9]" || true
-  PRESET=$2 run "$1_fsdp1" "${TR[@]}" parallelism.dp_shard=-1
-  grep -ohE '"gpu_peak_memory_gb": [0-9.]+' "$OUT/$1_fsdp1/ledger.jsonl" 2>/dev/null | tail -n 1 \
-      | sed 's/^/   measured peak (GB, 1e9 bytes): /' || true
-}
-vla_check pi0_bf16 VLA_PI0
-covered "full-size pi0 in bf16: 18 joint-layer FSDP2 units on the 1-rank mesh, trained 10 steps" \
-    bash -c "grep -q 'joint units: 18' '$OUT/pi0_bf16_fsdp1.log' && test -f '$OUT/pi0_bf16_fsdp1/rank_bytes.json'"
-sync_check "one GPU" $PY "$SYNC_PROBE"
+  sync_check "one GPU" $PY "$SYNC_PROBE"
   sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
       parallelism.dp_shard=-1
   exit 0
@@ -285,6 +270,21 @@ run act_fsdp_bf16_compile_ac "${TR[@]}" parallelism.dp_shard=-1 accelerator.mixe
 same_losses act_fsdp_bf16_compile_ac act_fsdp_bf16_eager 5e-2  # bf16: rounding differences are larger
 run act_resnet18_ema_val "${TR[@]}" parallelism.dp_shard=-1 policy.vision_backbone=resnet18 ema.enable=true \
     dataset.val_episodes=1 eval.freq=10 eval.n_episodes=0
+VLA_PI0=(policy=pi0 policy.dtype=bfloat16 accelerator=bf16 "policy.tokenizer_name=lerobot_mg/data/vla_tiny/paligemma"
+         "dataset.root=$DATA" steps=10 batch_size=4 log_freq=5 logging.progress_bar=false
+         checkpoint.save_checkpoint=false eval.n_episodes=0)
+vla_check() {  # name, preset array name: the plan, then the run; the ledger's peak beside the plan's total
+  local -n overrides=$2
+  echo "== $1 at full size: plan for one GPU (FSDP2 on a 1-rank mesh)"
+  "${TR[@]}" "${overrides[@]}" parallelism.dp_shard=-1 plan=true "output_dir=$OUT/$1_plan" 2>&1 \
+      | sed -n '/memory plan:/,$p' | grep -vE "^  rank [1-9]" || true
+  PRESET=$2 run "$1_fsdp1" "${TR[@]}" parallelism.dp_shard=-1
+  grep -ohE '"gpu_peak_memory_gb": [0-9.]+' "$OUT/$1_fsdp1/ledger.jsonl" 2>/dev/null | tail -n 1 \
+      | sed 's/^/   measured peak (GB, 1e9 bytes): /' || true
+}
+vla_check pi0_bf16 VLA_PI0
+covered "full-size pi0 in bf16: 18 joint-layer FSDP2 units on the 1-rank mesh, trained 10 steps" \
+    bash -c "grep -q 'joint units: 18' '$OUT/pi0_bf16_fsdp1.log' && test -f '$OUT/pi0_bf16_fsdp1/rank_bytes.json'"
 sync_check "one GPU" $PY "$SYNC_PROBE"
 sync_check "FSDP2 on NCCL" $PY -m torch.distributed.run --nproc-per-node=1 --master-port=29556 "$SYNC_PROBE" \
     parallelism.dp_shard=-1
