@@ -28,7 +28,8 @@ Beyond that persistent state, the plan also counts per rank what a step or an ev
   first forward to the end of backward, with its unsharded gradients, and holds two units at once (the one
   computing and the next, prefetched) plus one unit's unsharded gradients before their reduce-scatter, all in the
   compute dtype (``bf16``/``fp16`` under mixed precision). The largest unit decides; a joint unit counts both of
-  its layers. Units of unused parameters are never gathered;
+  its layers. Units of unused parameters are never gathered. Under DDP (more than one process, or one under a
+  launcher) the same line counts the reducer's buckets, a second copy of the trainable gradients;
 - activations, an estimate: the bytes autograd saves for backward in one forward of ``batch_size`` samples (each
   saved storage once, parameters left out), measured by running the policy's ``example_batch`` through a meta-device
   copy of it (no memory, no computation), fp32 tensors at the compute dtype's size under mixed precision; with
@@ -59,7 +60,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.distributed.device import use_cpu
-from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Layout, ParallelDims, Topology
 from lerobot_mg.distributed.wrap import UnitPlan, freeze_unused, plan_units
 from lerobot_mg.errors import config_error
 
@@ -229,7 +230,7 @@ class MemoryPlan:
 
     @property
     def busiest(self) -> RankBytes:
-        return max(self.per_rank, key=lambda held: held.total)
+        return busiest_of(self.per_rank)
 
     def options(self) -> list[LayoutOption]:
         """Every (dp_replicate, dp_shard) of this world size, and on a GPU each also with cpu_offload."""
@@ -432,6 +433,11 @@ class TransientBytes:
                 f"accumulation window: {self.accumulation / mib:.3f} MiB ({self.accumulation_what})"]
 
 
+def busiest_of(per_rank: tuple[RankBytes, ...]) -> RankBytes:
+    """The rank that holds the most (the one a fit is decided by)."""
+    return max(per_rank, key=lambda held: held.total)
+
+
 def transient_bytes(policy: nn.Module, plan: UnitPlan, cfg: TrainConfig, dims: ParallelDims,
                     per_rank: tuple[RankBytes, ...]) -> TransientBytes:
     """:class:`TransientBytes` of ``policy`` (on the meta device) sharded by ``plan`` on ``dims``."""
@@ -439,6 +445,9 @@ def transient_bytes(policy: nn.Module, plan: UnitPlan, cfg: TrainConfig, dims: P
     param_bytes = next((p.element_size() for p in policy.parameters()), 4)
     size = element or param_bytes
     gathered, gathered_what = 0, "nothing: every rank holds the whole model"
+    if dims.layout == Layout.DDP:  # the reducer's buckets are a second copy of the gradients it all-reduces
+        gathered = busiest_of(per_rank).gradients
+        gathered_what = "DDP's reducer buckets: a second copy of the trainable gradients"
     if dims.is_sharded:
         root, units = unit_sizes(policy, plan)
         largest = max(units, key=lambda unit: unit.numel, default=UnitSize("none", 0, 0))
@@ -450,7 +459,7 @@ def transient_bytes(policy: nn.Module, plan: UnitPlan, cfg: TrainConfig, dims: P
     activation_element = element if dims.is_sharded else (2 if cfg.accelerator.mixed_precision != "no" else None)
     activations = estimate_activations(policy, cfg.batch_size, blocks, activation_element)
     evaluates = cfg.eval.n_episodes > 0 or bool(cfg.dataset.val_episodes)
-    busiest = max(per_rank, key=lambda held: held.total)
+    busiest = busiest_of(per_rank)
     if not evaluates:
         evaluation, evaluation_what = 0, "no evaluation configured"
     elif dims.is_sharded:

@@ -305,7 +305,7 @@ CATALOGUE = [
     # --- presets ---------------------------------------------------------------------------------------------
     BadInput("unknown_experiment", ["experiment=pusht_debg"],
              "experiment='pusht_debg': is not a preset in conf/experiment/",
-             "experiment=<one of aloha_diffusion, aloha_image, aloha_state, pusht_debug, pusht_debug_diffusion>"),
+             "experiment=<one of aloha_diffusion, aloha_image, aloha_pi05_tiny, aloha_pi0_tiny, aloha_smolvla_tiny, aloha_state, pi05_libero, pusht_debug, pusht_debug_diffusion>"),
     BadInput("unknown_parallelism", [*VALID, "parallelism=zero3"],
              "parallelism='zero3': is not a preset in conf/parallelism/", "parallelism=<one of ddp, fsdp, hsdp>"),
     # --- accelerate configuration from the environment -------------------------------------------------------

@@ -160,12 +160,12 @@ def fixture_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_copy_of_lerobots_lora_checkpoint_is_a_full_fine_tuning_base(fixture_dataset: Path, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """policy.path=<a copy of act_state_lora>: the adapter is merged into its base, strictly, and a 2-step full
-    fine-tune starts from there with the adapter's processors; the run starts in the folder holding the two, as
-    LeRobot's did, and records its base relative to it."""
+    fine-tune starts from there with the adapter's processors (dataset.use_base_stats=true: their statistics too);
+    the run starts in the folder holding the two, as LeRobot's did, and records its base relative to it."""
     base = _copy_of_lerobots_lora(tmp_path / "interop")
     run_dir = tmp_path / "run"
-    run_train([*FINETUNE, f"dataset.root={fixture_dataset}", f"policy.path={base}", f"output_dir={run_dir}"],
-              cwd=tmp_path / "interop")
+    run_train([*FINETUNE, f"dataset.root={fixture_dataset}", f"policy.path={base}", "dataset.use_base_stats=true",
+               f"output_dir={run_dir}"], cwd=tmp_path / "interop")
     pretrained = run_dir / "checkpoints" / "last" / "pretrained_model"
     ours = json.loads((pretrained / "config.json").read_text())
     lerobots = json.loads((base / "config.json").read_text())

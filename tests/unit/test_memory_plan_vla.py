@@ -95,7 +95,7 @@ def test_the_pi0_plan_counts_its_parameters_units_and_transient_memory() -> None
     assert extra.accumulation > 0  # HSDP's shard waiting for the replica all-reduce
     unsharded = _plan(_cfg("bf16", n_episodes=10), 8, 1)
     assert unsharded.transient is not None and unsharded.transient.evaluation == 4_028_019_472 * 4
-    assert unsharded.transient.gathered == 0
+    assert unsharded.transient.gathered == unsharded.busiest.gradients  # DDP's reducer buckets: a gradient copy
 
 
 def test_checkpointing_shrinks_the_activation_estimate() -> None:

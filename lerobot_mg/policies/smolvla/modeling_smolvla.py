@@ -48,6 +48,7 @@ from lerobot_mg.policies.vla.common import (
     example_language,
     flow_matching_losses,
     flow_matching_pair,
+    init_like_transformers,
     make_att_2d_masks,
     pad_vector,
     per_sample_noise_and_time,
@@ -80,23 +81,6 @@ def _pad_sequence(tensor: Tensor, length: int) -> Tensor:
     padded = tensor.new_zeros((tensor.shape[0], length, *tensor.shape[2:]))
     padded[:, : tensor.shape[1]] = tensor
     return padded
-
-
-def _init_like_transformers(module: nn.Module, std: float, skip: set[nn.Module]) -> None:
-    """transformers' initialisation of a Llama/SmolVLM: linear and embedding weights ~ N(0, std), biases and the
-    embedding's padding row zero, RMSNorm weights one (set by the norms themselves)."""
-    for child in module.modules():
-        if child in skip:
-            continue
-        if isinstance(child, nn.Linear):
-            nn.init.normal_(child.weight, std=std)
-            if child.bias is not None:
-                nn.init.zeros_(child.bias)
-        elif isinstance(child, nn.Embedding):
-            nn.init.normal_(child.weight, std=std)
-            if child.padding_idx is not None:
-                with torch.no_grad():
-                    child.weight[child.padding_idx].zero_()
 
 
 class SmolVLAFlowMatching(nn.Module):
@@ -136,7 +120,7 @@ class SmolVLAFlowMatching(nn.Module):
         vlm = self.vlm_with_expert.vlm
         skip = set(self._cross_kv_projections())
         for part in (vlm.model.connector, vlm.model.text_model, vlm.lm_head, self.vlm_with_expert.lm_expert):
-            _init_like_transformers(part, std, skip)
+            init_like_transformers(part, std, skip)
 
     def _to_lerobot_pretrained_dtypes(self) -> None:
         """The dtypes of LeRobot's build from the VLM's published weights: the VLM and the expert in bfloat16, but

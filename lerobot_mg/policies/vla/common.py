@@ -17,11 +17,11 @@ as LeRobot does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch import Tensor
+from torch import Tensor, nn
 
 # The additive value of a masked position in the 4D attention masks (openpi's constant, kept by LeRobot).
 ATTENTION_MASK_VALUE = -2.3819763e38
@@ -43,6 +43,25 @@ def example_language(batch_size: int, length: int) -> dict[str, Tensor]:
     device: the language part of a VLA's ``example_batch``."""
     return {LANGUAGE_TOKENS: torch.zeros(batch_size, length, dtype=torch.long),
             LANGUAGE_ATTENTION_MASK: torch.ones(batch_size, length, dtype=torch.bool)}
+
+
+def init_like_transformers(module: nn.Module, std: float, skip: Collection[nn.Module] = ()) -> None:
+    """transformers' initialisation of a freshly built language model, as LeRobot's VLAs get it: linear and embedding
+    weights ~ N(0, std) in module order, biases and the embedding's padding row zero; ``skip``'s modules untouched
+    (norms set their own weights)."""
+    skipped = {id(child) for child in skip}
+    for child in module.modules():
+        if id(child) in skipped:
+            continue
+        if isinstance(child, nn.Linear):
+            nn.init.normal_(child.weight, std=std)
+            if child.bias is not None:
+                nn.init.zeros_(child.bias)
+        elif isinstance(child, nn.Embedding):
+            nn.init.normal_(child.weight, std=std)
+            if child.padding_idx is not None:
+                with torch.no_grad():
+                    child.weight[child.padding_idx].zero_()
 
 
 def sinusoidal_time_embedding(time: Tensor, dimension: int, min_period: float, max_period: float) -> Tensor:

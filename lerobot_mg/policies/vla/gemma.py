@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from lerobot_mg.policies.vla.common import init_like_transformers
 from lerobot_mg.policies.vla.joint import KeyValue
 
 ROPE_THETA = 10_000.0
@@ -342,20 +343,10 @@ def init_gemma_weights(module: nn.Module, std: float = 0.02) -> None:
     """transformers' Gemma initialisation for a freshly built stack: normal(0, std) linear and embedding weights,
     zero biases and RMSNorm weights, zero AdaRMS ``dense`` weights (a new expert starts time-independent)."""
     norms = [child for child in module.modules() if isinstance(child, PiGemmaRMSNorm)]
-    adarms_dense = {id(norm.dense) for norm in norms if norm.dense is not None}
-    for child in module.modules():
-        if isinstance(child, PiGemmaRMSNorm):
-            if child.dense is None:
-                nn.init.zeros_(child.weight)
-            else:
-                nn.init.zeros_(child.dense.weight)
-                nn.init.zeros_(child.dense.bias)
-        elif isinstance(child, nn.Linear) and id(child) not in adarms_dense:
-            nn.init.normal_(child.weight, std=std)
-            if child.bias is not None:
-                nn.init.zeros_(child.bias)
-        elif isinstance(child, nn.Embedding):
-            nn.init.normal_(child.weight, std=std)
-            if child.padding_idx is not None:
-                with torch.no_grad():
-                    child.weight[child.padding_idx].zero_()
+    for norm in norms:
+        if norm.dense is None:
+            nn.init.zeros_(norm.weight)
+        else:
+            nn.init.zeros_(norm.dense.weight)
+            nn.init.zeros_(norm.dense.bias)
+    init_like_transformers(module, std, skip=[norm.dense for norm in norms if norm.dense is not None])
