@@ -257,7 +257,7 @@ def bench_case(case: str, site_packages: str, rounds: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20, help="timed steps per policy for the tiny cases")
-    parser.add_argument("--full-rounds", type=int, default=4, help="timed steps per policy for smolvla_full")
+    parser.add_argument("--full-rounds", type=int, default=3, help="timed steps per policy for smolvla_full")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--lerobot-worker", nargs=2, metavar=("CASE", "WORKDIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
