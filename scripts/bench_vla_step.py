@@ -207,6 +207,7 @@ def bench_case(case: str, site_packages: str, rounds: int) -> list:
 
     workdir = Path(tempfile.mkdtemp(prefix=f"bench_vla_step-{case}-"))
     cwd = Path.cwd()
+    worker: subprocess.Popen | None = None
     try:
         if case == "smolvla_full":
             (workdir / "vlm").mkdir()
@@ -242,6 +243,9 @@ def bench_case(case: str, site_packages: str, rounds: int) -> list:
         worker.stdin.close()
         worker.wait(timeout=120)
     finally:
+        if worker is not None and worker.poll() is None:  # this side failed: LeRobot's waits for a line
+            worker.kill()
+            worker.wait()
         os.chdir(cwd)
         shutil.rmtree(workdir, ignore_errors=True)
     ours_s, theirs_s = statistics.median(times["ours"]), statistics.median(times["lerobot"])
