@@ -30,7 +30,10 @@ def describe(script: Path) -> str:
 
 
 def number(value: float) -> str:
-    return f"{int(value):,}" if float(value).is_integer() else f"{value:.4g}"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    # Four significant digits, without an exponent for figures such as 12,720.6 ms.
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
 
 
 def measured(record: dict) -> str:
