@@ -205,7 +205,7 @@ def _sharding_facts(tmp_path: Path, nproc: int, dp_replicate: int, dp_shard: int
     out_dir = tmp_path / "facts"
     out_dir.mkdir()
     proc = run_train([str(dp_replicate), str(dp_shard), str(PUSHT_SLICE), str(out_dir)], nproc=nproc, script=script,
-                     timeout=120, env={"PYTHONPATH": str(REPO)})
+                     timeout=300, env={"PYTHONPATH": str(REPO)})
     facts = [json.loads(path.read_text()) for path in sorted(out_dir.glob("facts_rank*.json"))]
     assert sorted(f["rank"] for f in facts) == list(range(nproc)), proc.stdout[-6000:]
     return {f["rank"]: f for f in facts}
