@@ -39,6 +39,18 @@ WEIGHTS_NAME = "model.safetensors"
 # epoch and the frame only). A policy that draws training noise per sample from it trains the same on every
 # layout: the noise follows the sample, not the rank or the micro-batch it lands in.
 SAMPLE_SEED_KEY = "sample_seed"
+# Batch keys of a dataset mixture (lerobot_mg.data.mixture), where sources of different robots share one batch:
+# the sample's source (its position in dataset.sources); per action dimension, True where it is padding (the source's
+# action vector is shorter than the policy's: those dimensions never enter the loss); per camera, True where the
+# sample's source has no such camera (its image is all zeros and the policy masks it out, as LeRobot's VLAs do an
+# empty camera).
+SOURCE_INDEX_KEY = "source_index"
+ACTION_DIM_PAD_KEY = "action_dim_is_pad"
+
+
+def empty_camera_key(camera: str) -> str:
+    """The batch key that marks, per sample, a ``camera`` its source does not have."""
+    return f"{camera}_is_empty"
 
 _CHANNEL_AXIS_NAMES = ("channel", "channels", "c")
 # The remedy when saved weights do not fit the policy their config.json builds.
