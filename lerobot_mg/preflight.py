@@ -12,6 +12,7 @@ file is read twice.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -23,12 +24,13 @@ from torch import nn
 from lerobot_mg.checkpoint.resume import ResumePoint, resume_point
 from lerobot_mg.config.choices import DatasetName
 from lerobot_mg.config.loading import check_resume_request
-from lerobot_mg.config.schema import TrainConfig
+from lerobot_mg.config.schema import DatasetConfig, TrainConfig
 from lerobot_mg.config.validate import validate
 from lerobot_mg.data import cache
 from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_dataset
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.meta import DatasetMeta
+from lerobot_mg.data.mixture import MixtureDataset, MixturePlan, plan_mixture
 from lerobot_mg.data.split import EpisodeSplit, split_episodes
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
 from lerobot_mg.distributed.env_guard import check_accelerate_env
@@ -58,13 +60,16 @@ class Preflight:
     """What the checks found, for the start to reuse."""
 
     dims: ParallelDims
-    dataset: DatasetMeta  # meta/info.json and the episodes table, read once
-    dataset_source: DatasetSource  # where it was found (dataset.root, LeRobot's cache, or downloaded)
+    # meta/info.json and the episodes table, read once; for dataset=mixture the plan of its sources (their merged
+    # features, fps of the first)
+    dataset: DatasetMeta | MixturePlan
+    dataset_source: DatasetSource | None  # where it was found (dataset.root, LeRobot's cache, or downloaded); None
+    # for a mixture, whose sources each record theirs (MixtureDataset.facts)
     split: EpisodeSplit  # the episodes that train and those held out for the validation loss
     resume: ResumePoint | None  # the checkpoint this start continues, or None for a new run
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
     # The training episodes as the run reads them, their dataset cache built (None for a plan or a SLURM submission)
-    train_data: LeRobotDataset | None = None
+    train_data: LeRobotDataset | MixtureDataset | None = None
 
 
 def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, launched: bool = False, *,
@@ -88,8 +93,11 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
     check_finetune(cfg, dims.is_sharded)
     if on_this_machine:  # the machine that trains pushes (a submitting host's environment may differ)
         check_publish(cfg, env)
-    source = resolve_dataset(cfg.dataset, env)  # a Hub dataset: downloaded once per node if not cached
-    dataset, split = check_dataset(cfg, dims.dp_world_size, Path(source.root))
+    if cfg.dataset.name == DatasetName.mixture:
+        source, (dataset, split) = None, check_mixture(cfg, dims.dp_world_size, env)
+    else:
+        source = resolve_dataset(cfg.dataset, env)  # a Hub dataset: downloaded once per node if not cached
+        dataset, split = check_dataset(cfg, dims.dp_world_size, Path(source.root))
     check_sim_evaluation(cfg, dataset.features)
     resume = resume_point(cfg.config_path, cfg.steps) if cfg.resume else None
     if on_this_machine and not cfg.plan:  # a plan needs no tokenizer (a gated one may not be fetched yet)
@@ -189,6 +197,71 @@ def check_publish(cfg: TrainConfig, env: Mapping[str, str] | None) -> None:
                            "checkpoint.save_checkpoint=true, or policy.push_to_hub=false")
 
 
+def check_mixture(cfg: TrainConfig, dp_world_size: int, env: Mapping[str, str] | None) -> tuple[MixturePlan, EpisodeSplit]:
+    """``dataset=mixture``: each source found (LeRobot's cache or the Hub, as ``dataset.repo_id``), read and checked
+    as one dataset is, then against each other and the policy (:func:`lerobot_mg.data.mixture.plan_mixture`)."""
+    data = cfg.dataset
+    if not data.sources:
+        raise config_error("dataset.sources", data.sources, "dataset=mixture draws from a list of datasets, and none is "
+                           "given", "'dataset.sources=[{root: /data/a, weight: 0.7}, {repo_id: user/b, weight: 0.3}]'")
+    for key in ("root", "repo_id", "episodes"):
+        if getattr(data, key) is not None:
+            raise config_error(f"dataset.{key}", getattr(data, key), "is a single dataset's setting; a mixture reads "
+                               "each source's own", f"dataset.sources.<i>.{key}=..., and drop dataset.{key}")
+    if data.val_episodes is not None:
+        raise config_error("dataset.val_episodes", data.val_episodes, "holds episodes out of one dataset; a mixture's "
+                           "validation split is not supported", "drop dataset.val_episodes (hold episodes out with "
+                           "dataset.sources.<i>.episodes and evaluate the checkpoint on them)")
+    metas = []
+    for position, source in enumerate(data.sources):
+        if (source.root is None) == (source.repo_id is None):
+            raise config_error(f"dataset.sources.{position}", {"root": source.root, "repo_id": source.repo_id},
+                               "names a dataset by exactly one of root and repo_id",
+                               f"dataset.sources.{position}.root=<dir>, or dataset.sources.{position}.repo_id=<user>/<name>")
+        found = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, root=source.root, repo_id=source.repo_id,
+                                              revision=source.revision), env)
+        meta = DatasetMeta.read(found.root, f"dataset.sources.{position}.root=<a LeRobot v3.0 dataset directory>")
+        _check_lengths(cfg, meta, meta.lengths(source.episodes), f"dataset.sources.{position}")
+        metas.append(meta)
+    plan = plan_mixture(data, metas, cfg.policy)
+    features_from_dataset(plan.features, cfg.policy.observation_keys)  # policy.observation_keys no source has
+    num_samples = sum(sum(meta.lengths(source.episodes).values()) for source, meta in zip(data.sources, metas))
+    _check_samples(cfg, dp_world_size, num_samples, plan.root, "the mixture")
+    return plan, EpisodeSplit(None, [])
+
+
+def _check_lengths(cfg: TrainConfig, meta: DatasetMeta, lengths: dict[int, int], where: str) -> None:
+    """Each sample loads the policy's action chunk: the shortest episode holds at least one."""
+    chunk = len(cfg.policy.action_delta_indices)
+    shortest = min(lengths.values())
+    if chunk > shortest:
+        key = f"policy.{cfg.policy.action_length_key}"
+        raise config_error(
+            key, getattr(cfg.policy, cfg.policy.action_length_key),
+            f"each sample loads {chunk} action frames, more than the shortest episode of {where} has "
+            f"({shortest} frames, episode {min(lengths, key=lengths.__getitem__)}): most of its chunks would be padding",
+            f"{key}=<at most {shortest}>, or dataset.episodes=<longer episodes>",
+        )
+
+
+def _check_samples(cfg: TrainConfig, dp_world_size: int, num_samples: int, root: str, where: str) -> None:
+    """Every data-parallel rank gets a sample, and one global batch fits in the dataset (``where`` in messages)."""
+    if dp_world_size > num_samples:
+        raise config_error(
+            "dataset.root", root,
+            f"has {num_samples} samples, fewer than the {dp_world_size} data-parallel ranks launched: some ranks "
+            "would get no sample at all",
+            f"launch at most {num_samples} processes, or a larger dataset",
+        )
+    if cfg.batch_size * dp_world_size > num_samples:
+        raise config_error(
+            "batch_size", cfg.batch_size,
+            f"one global batch (batch_size x {dp_world_size} data-parallel ranks = {cfg.batch_size * dp_world_size} "
+            f"samples) is larger than the {num_samples} samples of {where}",
+            f"batch_size={num_samples // dp_world_size}, or fewer processes",
+        )
+
+
 def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[DatasetMeta, EpisodeSplit]:
     """The dataset's metadata against the policy and the batch: the version, the features the policy reads, the
     held-out episodes, the training episodes' lengths and the number of samples. Returns the metadata, read once,
@@ -200,41 +273,20 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[Dat
     features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
     split = split_episodes(meta, cfg.dataset.episodes, cfg.dataset.val_episodes)
     lengths = meta.lengths(split.train)
-    chunk = len(cfg.policy.action_delta_indices)
-    shortest = min(lengths.values())
-    if chunk > shortest:
-        key = f"policy.{cfg.policy.action_length_key}"
-        raise config_error(
-            key, getattr(cfg.policy, cfg.policy.action_length_key),
-            f"each sample loads {chunk} action frames, more than the shortest episode of dataset.root has "
-            f"({shortest} frames, episode {min(lengths, key=lengths.__getitem__)}): most of its chunks would be padding",
-            f"{key}=<at most {shortest}>, or dataset.episodes=<longer episodes>",
-        )
-    num_samples = sum(lengths.values())
-    if dp_world_size > num_samples:
-        raise config_error(
-            "dataset.root", str(meta.root),
-            f"has {num_samples} samples, fewer than the {dp_world_size} data-parallel ranks launched: some ranks "
-            "would get no sample at all",
-            f"launch at most {num_samples} processes, or a larger dataset",
-        )
-    if cfg.batch_size * dp_world_size > num_samples:
-        raise config_error(
-            "batch_size", cfg.batch_size,
-            f"one global batch (batch_size x {dp_world_size} data-parallel ranks = {cfg.batch_size * dp_world_size} "
-            f"samples) is larger than the {num_samples} samples of dataset.root",
-            f"batch_size={num_samples // dp_world_size}, or fewer processes",
-        )
+    _check_lengths(cfg, meta, lengths, "dataset.root")
+    _check_samples(cfg, dp_world_size, sum(lengths.values()), str(meta.root), "dataset.root")
     return meta, split
 
 
-def open_training_data(cfg: TrainConfig, meta: DatasetMeta, split: EpisodeSplit, policy: nn.Module,
-                       local_rank: int, env: Mapping[str, str] | None = None) -> LeRobotDataset:
+def open_training_data(cfg: TrainConfig, meta: DatasetMeta | MixturePlan, split: EpisodeSplit, policy: nn.Module,
+                       local_rank: int, env: Mapping[str, str] | None = None) -> LeRobotDataset | MixtureDataset:
     """The training episodes as the run reads them (the policy's features, images as uint8), with their dataset
     cache entries built here, before any process group exists: a first build on a large dataset takes minutes
     (logged column by column), which the other nodes' ranks would otherwise spend in a collective that times out.
     The validation episodes' entry is built too, for the evaluator to open. The first rank of each machine first
-    removes what the cache's retention rule no longer keeps (``lerobot_mg.data.cache.clean``)."""
+    removes what the cache's retention rule no longer keeps (``lerobot_mg.data.cache.clean``). A mixture opens each
+    source, with the statistics its normaliser uses and each source's map into them
+    (``lerobot_mg.processors.mixture``)."""
     days = cache.keep_days(env)
     if local_rank == 0:
         cleaned = cache.clean(days)
@@ -242,6 +294,10 @@ def open_training_data(cfg: TrainConfig, meta: DatasetMeta, split: EpisodeSplit,
             logger.info("dataset cache: removed %d entries unused for %g days and %d folders of killed builds",
                         len(cleaned.unused), days, len(cleaned.abandoned))
     keys = [*policy.input_features, *policy.output_features]
+    if isinstance(meta, MixturePlan):
+        mixture = MixtureDataset(meta, functools.partial(delta_timestamps, cfg.policy, meta.features), keys)
+        _normalise_mixture(mixture)
+        return mixture
     deltas = delta_timestamps(cfg.policy, meta.features, meta.fps)
     if split.val:
         LeRobotDataset(meta, deltas, split.val, keys=keys, uint8_visuals=True)
@@ -253,3 +309,18 @@ def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:
     random generator."""
     with torch.device("meta"):
         return build_policy(cfg, meta.features, weights=False)
+
+
+def _normalise_mixture(mixture: MixtureDataset) -> None:  # placeholder until processors.mixture lands
+    stats = {}
+    for source, dataset in zip(mixture.plan.sources, mixture.datasets):
+        for key, value in dataset.stats.items():
+            name = source.rename.get(key, key)
+            if name in stats:
+                continue
+            if name in mixture.plan.padded:
+                length = int(mixture.features[name]["shape"][0])
+                value = {k: torch.nn.functional.pad(v, (0, length - v.shape[-1])) if v.ndim else v
+                         for k, v in value.items()}
+            stats[name] = value
+    mixture.stats = stats

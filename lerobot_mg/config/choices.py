@@ -74,6 +74,14 @@ class TorchDtype(Choice):
 class DatasetName(Choice):
     embedded = "embedded"  # the ALOHA transfer-cube demos lerobot-mg-make-dataset generates
     lerobot = "lerobot"  # any LeRobot v3.0 dataset directory
+    mixture = "mixture"  # several LeRobot datasets drawn by weight (dataset.sources)
+
+
+class MixtureStats(Choice):
+    """How a mixture's samples are normalised (``dataset.stats``)."""
+
+    merged = "merged"  # one set of statistics over every source, as LeRobot's aggregate_stats merges them
+    per_source = "per_source"  # each sample with its own source's statistics
 
 
 class SchedulerType(Choice):

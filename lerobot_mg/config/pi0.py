@@ -100,6 +100,7 @@ class PI0Config(PolicyConfig):
 
     action_length_key: ClassVar[str] = "chunk_size"
     policy_class_path: ClassVar[str] = "lerobot_mg.policies.pi0.modeling_pi0:PI0Policy"
+    pads_missing_inputs: ClassVar[bool] = True
     lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"dimension_overrides", "tokenizer_name"}
 
     type: str = "pi0"

@@ -71,6 +71,10 @@ class PolicyConfig:
     # without one (it builds no image encoder, and LeRobot's loader refuses a choice of ours); the run's own value
     # stays in train_config.json, which wins when the checkpoint is read back.
     camera_only_fields: ClassVar[dict[str, str]] = {}
+    # Whether the policy takes a sample whose robot lacks one of its inputs: a state or action shorter than its
+    # feature (padded, the padding kept out of the loss) or a camera (an empty image, masked). LeRobot's VLAs
+    # do (max_state_dim, empty_cameras); a dataset mixture of robots that differ refuses a policy that does not.
+    pads_missing_inputs: ClassVar[bool] = False
 
     type: str = ""
     # Frames of observation history the policy reads (1: the current frame only).

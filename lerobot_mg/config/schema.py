@@ -20,6 +20,7 @@ from lerobot_mg.config.choices import (
     CheckpointFormat,
     DatasetName,
     MixedPrecision,
+    MixtureStats,
     TorchDtype,
     WandbMode,
 )
@@ -153,6 +154,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One dataset of a mixture (``dataset=mixture``, ``dataset.sources``): a LeRobot v3.0 dataset found as
+    ``dataset.repo_id``/``dataset.root`` are (``repo_id`` from LeRobot's cache or the Hub at ``revision``; ``root``: a
+    directory), drawn with probability ``weight`` (null: its share of the mixture's frames; weights are normalised
+    to sum to 1), restricted to ``episodes`` (null: all), its feature names mapped to the policy's by ``rename_map``
+    (LeRobot's spelling: ``{observation.image: observation.images.top}``)."""
+
+    root: str | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+    weight: float | None = None
+    episodes: list[int] | None = None
+    rename_map: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class DatasetConfig:
     """The dataset to train on: the embedded ALOHA transfer-cube demonstrations (conf/dataset/embedded.yaml, the
     default, names their cache directory), a LeRobot dataset on the Hugging Face Hub (``dataset.repo_id=<user>/<name>``,
@@ -177,6 +194,10 @@ class DatasetConfig:
     # Held-out episodes, never trained on; their loss is evaluated every eval.freq steps (lerobot_mg.data.split):
     # a list of episode indices, or a count N (the dataset's last N episodes). null: no validation split.
     val_episodes: Any = None
+    # dataset=mixture: the datasets drawn from, each with its weight (see SourceConfig and docs/data.md), and how
+    # their samples are normalised: merged (one set of statistics, LeRobot's aggregate_stats) or per_source.
+    sources: list[SourceConfig] | None = None
+    stats: MixtureStats = MixtureStats.merged
 
     def from_repo(self, root_typed: bool) -> DatasetConfig:
         """This group with ``repo_id`` in charge: a root the user did not type (the embedded preset's cache

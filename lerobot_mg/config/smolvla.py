@@ -58,6 +58,7 @@ class SmolVLAConfig(PolicyConfig):
 
     action_length_key: ClassVar[str] = "chunk_size"
     policy_class_path: ClassVar[str] = "lerobot_mg.policies.smolvla.modeling_smolvla:SmolVLAPolicy"
+    pads_missing_inputs: ClassVar[bool] = True
     lerobot_mg_only_fields: ClassVar[frozenset[str]] = PolicyConfig.lerobot_mg_only_fields | {"vlm_config_overrides"}
 
     type: str = "smolvla"

@@ -1,0 +1,375 @@
+"""A weighted mixture of LeRobot datasets, read as one dataset (``dataset=mixture``, ``dataset.sources``).
+
+Each source is a LeRobot v3.0 dataset with its own robot: its state and action may be shorter than the policy's,
+its cameras other ones, its fps another. :func:`plan_mixture` maps every source onto one set of features (after each
+source's ``rename_map``): a state or action vector is as long as the longest source's, a camera is the union of the
+sources' cameras. A policy that cannot take a missing input (``PolicyConfig.pads_missing_inputs`` false: ACT,
+Diffusion) is refused at start-up naming the source and the key; LeRobot's VLAs take them:
+
+- a shorter state or action is padded, and :data:`ACTION_DIM_PAD_KEY` marks the padded action dimensions, which never
+  enter the loss (the padded values come out of the normaliser as 0, see ``lerobot_mg.processors.mixture``);
+- a missing camera is an all-zero image, marked per sample by :func:`empty_camera_key`, which the policy masks out
+  as LeRobot's VLAs do an empty camera;
+- a camera whose frames are another size than the mixture's (the first source's that has it) is resized.
+
+Each source's frames are read at its own fps: the policy's offsets in frames (the action chunk) become each source's
+own ``delta_timestamps``.
+
+:class:`MixtureSampler` draws the sources by weight: an epoch is as many draws as the mixture has frames, the source of
+each position drawn from (seed, epoch) and the frame within the source from a permutation of that source's frames
+(seed, epoch, source, lap), so an epoch order is a pure function of (seed, epoch): a resumed run draws the same
+samples, and the resumable sampler's rule for another topology holds unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lerobot_mg.data import cache
+from lerobot_mg.data.lerobot_dataset import LeRobotDataset
+from lerobot_mg.data.meta import DEFAULT_FEATURES, DatasetMeta
+from lerobot_mg.data.sampler import ResumableBatchSampler
+from lerobot_mg.errors import ConfigError, config_error
+from lerobot_mg.policies.base import ACTION_DIM_PAD_KEY, SOURCE_INDEX_KEY, empty_camera_key
+
+# The 1-D float vectors a shorter source pads: the robot's state and its action.
+PADDED_KEYS = ("observation.state", "action")
+_VISUAL = ("image", "video")
+Transform = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def source_name(repo_id: str | None, root: str | Path) -> str:
+    """A source's name in logs, the ledger and file names: its repo id (``/`` -> ``_``), else its folder's name."""
+    return repo_id.replace("/", "_") if repo_id else Path(root).name
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source as the mixture reads it."""
+
+    name: str
+    meta: DatasetMeta
+    weight: float  # the probability of drawing from it (the weights sum to 1)
+    episodes: list[int] | None
+    rename: dict[str, str]  # its feature name -> the mixture's
+    repo_id: str | None = None
+    revision: str | None = None
+
+    def source_key(self, key: str) -> str:
+        """The source's own name of the mixture's feature ``key``."""
+        return next((own for own, renamed in self.rename.items() if renamed == key), key)
+
+    @property
+    def features(self) -> dict[str, dict[str, Any]]:
+        """Its features under the mixture's names."""
+        return {self.rename.get(key, key): spec for key, spec in self.meta.features.items()}
+
+
+@dataclass(frozen=True)
+class MixturePlan:
+    """The sources and the features they share, checked; what a start needs before reading a frame."""
+
+    sources: tuple[SourcePlan, ...]
+    features: dict[str, dict[str, Any]]  # the merged info.json-style features the policy is built from
+    fps: int  # the first source's (simulation evaluation and the policy's config see this one)
+    padded: frozenset[str] = field(default_factory=frozenset)  # PADDED_KEYS some source is shorter in
+    empty_cameras: frozenset[str] = field(default_factory=frozenset)  # cameras some source lacks
+    root: str = ""  # for messages: "mixture of N sources"
+
+    def fingerprint(self) -> str:
+        """What makes the mixture: each source's revision, weight, episodes and renames."""
+        described = [[s.name, s.meta.fingerprint, s.weight, s.episodes, sorted(s.rename.items())] for s in self.sources]
+        return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def _check_weights(weights: list[float | None], frames: list[int]) -> list[float]:
+    given = [w for w in weights if w is not None]
+    for position, weight in enumerate(weights):
+        if weight is not None and (not np.isfinite(weight) or weight < 0):
+            raise config_error(f"dataset.sources.{position}.weight", weight, "must be a finite number >= 0",
+                               f"dataset.sources.{position}.weight=<a probability, e.g. 0.5>")
+    if len(given) not in (0, len(weights)):
+        raise config_error("dataset.sources", [f"weight={w}" for w in weights],
+                           "gives some sources a weight and others none: the shares of the others are undefined",
+                           "a weight for every source, or none (each source's share of the frames)")
+    resolved = [float(w) for w in weights] if given else [float(n) for n in frames]
+    if sum(resolved) <= 0:
+        raise config_error("dataset.sources", [f"weight={w}" for w in weights], "weights are all zero: nothing would "
+                           "ever be drawn", "give at least one source a positive weight")
+    return [w / sum(resolved) for w in resolved]
+
+
+def _check_rename(position: int, meta: DatasetMeta, rename: dict[str, str]) -> None:
+    key = f"dataset.sources.{position}.rename_map"
+    unknown = sorted(set(rename) - set(meta.features))
+    if unknown:
+        raise config_error(key, dict(rename), f"renames {unknown}, which {meta.root} does not have (its features: "
+                           f"{sorted(k for k in meta.features if k not in DEFAULT_FEATURES)})",
+                           f"{key}={{<a feature of the source>: <the policy's name>}}")
+    fixed = sorted((set(rename) | set(rename.values())) & set(DEFAULT_FEATURES))
+    if fixed:
+        raise config_error(key, dict(rename), f"renames the index features {fixed}", f"{key} without {fixed}")
+    targets = [rename.get(k, k) for k in meta.features]
+    collided = sorted({t for t in targets if targets.count(t) > 1})
+    if collided:
+        raise config_error(key, dict(rename), f"maps two features of {meta.root} onto {collided}",
+                           f"{key} with a distinct name per feature")
+
+
+def _merge_features(sources: Sequence[SourcePlan]) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+    """The mixture's features: the union of the sources' (renamed), each key's spec from the first source that has
+    it, a padded vector as long as the longest source's; and the keys some source pads."""
+    merged: dict[str, dict[str, Any]] = {}
+    padded = set()
+    for position, source in enumerate(sources):
+        for key, spec in source.features.items():
+            first = merged.get(key)
+            if first is None:
+                merged[key] = dict(spec)
+                continue
+            kinds = {first["dtype"] in _VISUAL, spec["dtype"] in _VISUAL}
+            if len(kinds) > 1 or (first["dtype"] not in _VISUAL and first["dtype"] != spec["dtype"]):
+                raise config_error(f"dataset.sources.{position}", source.name,
+                                   f"holds {key} as {spec['dtype']}, another source as {first['dtype']}",
+                                   f"dataset.sources.{position}.rename_map={{{source.source_key(key)}: <another name>}}")
+            if key in PADDED_KEYS and list(spec["shape"]) != list(first["shape"]):
+                if len(spec["shape"]) != 1 or len(first["shape"]) != 1:
+                    raise config_error(f"dataset.sources.{position}", source.name,
+                                       f"holds {key} of shape {spec['shape']}, another source {first['shape']}; only "
+                                       "vectors can be padded", "sources whose state and action are vectors")
+                if spec["shape"][0] > first["shape"][0]:
+                    merged[key] = dict(spec)
+                padded.add(key)
+    return merged, frozenset(padded)
+
+
+def plan_mixture(dataset_cfg: Any, metas: Sequence[DatasetMeta], policy_cfg: Any,
+                 sources_cfg: Sequence[Any] | None = None) -> MixturePlan:
+    """Check ``dataset.sources`` (read as ``metas``, in order) against each other and the policy; the plan.
+
+    Refused, each with the source named: a negative or all-zero weight, two sources that are the same dataset, a
+    dataset of another LeRobot version than the first, a rename of a feature the source lacks or onto a name taken,
+    a feature held as an image by one source and a number by another, and, for a policy that cannot take a missing
+    input, a source without one of its inputs or with another state or action size."""
+    sources_cfg = list(dataset_cfg.sources if sources_cfg is None else sources_cfg)
+    weights = _check_weights([s.weight for s in sources_cfg],
+                             [sum(meta.lengths(s.episodes).values()) for s, meta in zip(sources_cfg, metas)])
+    names: list[str] = []
+    seen: dict[tuple[str, str], int] = {}
+    version = str(metas[0].info.get("codebase_version"))
+    plans = []
+    for position, (source, meta) in enumerate(zip(sources_cfg, metas)):
+        key = f"dataset.sources.{position}"
+        same = (str(Path(meta.root).resolve()), json.dumps(source.episodes))
+        if same in seen:
+            raise config_error(key, source.repo_id or source.root, f"is the same dataset and episodes as "
+                               f"dataset.sources.{seen[same]}: it would only double that source's weight",
+                               f"drop one of them, or raise dataset.sources.{seen[same]}.weight")
+        seen[same] = position
+        if str(meta.info.get("codebase_version")) != version:
+            raise config_error(key, source.repo_id or source.root,
+                               f"is a LeRobot {meta.info.get('codebase_version')} dataset, dataset.sources.0 a "
+                               f"{version} one: one reader reads them all only at one version",
+                               "convert the older one with LeRobot's conversion script, or drop it")
+        rename = dict(source.rename_map or {})
+        _check_rename(position, meta, rename)
+        name = source_name(source.repo_id, meta.root)
+        if name in names:
+            name = f"{name}_{position}"
+        names.append(name)
+        plans.append(SourcePlan(name, meta, weights[position], None if source.episodes is None else list(source.episodes),
+                                rename, source.repo_id, source.revision))
+    features, padded = _merge_features(plans)
+    cameras = {k for k, spec in features.items() if spec["dtype"] in _VISUAL}
+    empty = frozenset(k for k in cameras if any(k not in plan.features for plan in plans))
+    plan = MixturePlan(tuple(plans), features, metas[0].fps, padded, empty, f"mixture of {len(plans)} sources")
+    if not policy_cfg.pads_missing_inputs:
+        _refuse_missing_inputs(plan, policy_cfg)
+    return plan
+
+
+def _refuse_missing_inputs(plan: MixturePlan, policy_cfg: Any) -> None:
+    """A policy that cannot pad or mask (ACT, Diffusion): every source has each of its inputs, at the same size."""
+    observed = policy_cfg.observation_keys or [k for k in plan.features if k.startswith("observation.")]
+    for missing in (True, False):  # a missing input first: it is the more basic problem
+        for position, source in enumerate(plan.sources):
+            for key in [*observed, "action"]:
+                spec = source.features.get(key)
+                fix = (f"dataset.sources.{position}.rename_map={{<its name for it>: {key}}}, policy.observation_keys "
+                       "without it, or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)")
+                if missing and spec is None:
+                    raise config_error(f"dataset.sources.{position}", source.name, f"has no {key}, which "
+                                       f"policy.type={policy_cfg.type} reads and cannot do without", fix)
+                if (not missing and spec["dtype"] not in _VISUAL
+                        and list(spec["shape"]) != list(plan.features[key]["shape"])):
+                    raise config_error(f"dataset.sources.{position}", source.name,
+                                       f"holds {key} of shape {spec['shape']}, another source "
+                                       f"{plan.features[key]['shape']}; policy.type={policy_cfg.type} cannot pad it", fix)
+
+
+def _pad_last(values: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(values, (0, length - values.shape[-1])) if values.shape[-1] < length else values
+
+
+class MixtureDataset(torch.utils.data.Dataset):
+    """The frames of every source, one after the other (source ``s`` holds global indices ``offset[s]`` up to
+    ``offset[s] + len(source)``), each item in the mixture's features (see the module docstring), with its global
+    ``index`` and :data:`SOURCE_INDEX_KEY`. ``transforms[s]`` (optional) maps source ``s``'s padded item before it is
+    returned: the normalisation affine of ``lerobot_mg.processors.mixture``."""
+
+    def __init__(self, plan: MixturePlan, delta_timestamps: Callable[[int], dict[str, list[float]]],
+                 keys: Collection[str], uint8_visuals: bool = True,
+                 transforms: Sequence[Transform | None] | None = None) -> None:
+        self.plan = plan
+        self.features = plan.features
+        self.fps = plan.fps
+        self.root = plan.root
+        self.keys = [k for k in keys if k in plan.features]
+        self.datasets: list[LeRobotDataset] = []
+        for source in plan.sources:
+            deltas = {source.source_key(k): v for k, v in delta_timestamps(source.meta.fps).items()
+                      if k in source.features}
+            own_keys = [source.source_key(k) for k in self.keys if k in source.features]
+            self.datasets.append(LeRobotDataset(source.meta, deltas, source.episodes, keys=own_keys,
+                                                uint8_visuals=uint8_visuals))
+        self.deltas = delta_timestamps(plan.fps)
+        self.transforms = list(transforms) if transforms is not None else [None] * len(self.datasets)
+        lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        self.offsets = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+        self.num_frames = int(lengths.sum())
+        self.num_episodes = sum(d.num_episodes for d in self.datasets)
+        self.weights = np.array([s.weight for s in plan.sources], dtype=np.float64)
+        self.visual_keys = [k for k in self.keys if plan.features[k]["dtype"] in _VISUAL]
+        self.uint8_visuals = uint8_visuals
+        self.stats: dict[str, dict[str, torch.Tensor]] = {}  # the normaliser's, set by the start (merged)
+        self.cache_dir = cache.cache_root(f"mixture-{plan.fingerprint()}")
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint()
+
+    def source_of(self, indices: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, indices, side="right") - 1
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source position, the source's episode index) of each global index."""
+        indices = np.asarray(indices, dtype=np.int64)
+        sources = self.source_of(indices)
+        episodes = np.empty_like(indices)
+        for s in np.unique(sources).tolist():
+            chosen = sources == s
+            dataset = self.datasets[s]
+            position = np.searchsorted(dataset._first, indices[chosen] - self.offsets[s], side="right") - 1
+            episodes[chosen] = np.asarray(dataset._episode_order)[position]
+        return sources, episodes
+
+    def facts(self) -> list[dict[str, Any]]:
+        """Each source as a run records it (RunFacts.mixture, the ledger, the banner)."""
+        return [{"name": s.name, "root": str(s.meta.root), "repo_id": s.repo_id, "revision": s.revision,
+                 "fingerprint": s.meta.fingerprint, "weight": s.weight, "num_frames": len(d),
+                 "num_episodes": d.num_episodes, "fps": s.meta.fps}
+                for s, d in zip(self.plan.sources, self.datasets)]
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        if not 0 <= idx < self.num_frames:
+            raise IndexError(f"index {idx} is out of range for a mixture of {self.num_frames} frames.")
+        s = int(self.source_of(np.int64(idx)))
+        source = self.plan.sources[s]
+        own = self.datasets[s][idx - int(self.offsets[s])]
+        item: dict[str, Any] = {}
+        for key, value in own.items():
+            base, pad = (key[: -len("_is_pad")], "_is_pad") if key.endswith("_is_pad") else (key, "")
+            item[source.rename.get(base, base) + pad] = value
+        item["index"] = torch.tensor(idx, dtype=torch.int64)
+        item[SOURCE_INDEX_KEY] = torch.tensor(s, dtype=torch.int64)
+        for key in self.plan.padded & set(self.keys):
+            length = int(self.features[key]["shape"][0])
+            if key == "action":
+                item[ACTION_DIM_PAD_KEY] = torch.arange(length) >= item[key].shape[-1]
+            item[key] = _pad_last(item[key], length)
+        for key in self.visual_keys:
+            if key in self.plan.empty_cameras:
+                item[empty_camera_key(key)] = torch.tensor(key not in item)
+            item[key] = self._frames(key, item.get(key))
+            if key in self.deltas and f"{key}_is_pad" not in item:
+                item[f"{key}_is_pad"] = torch.zeros(len(self.deltas[key]), dtype=torch.bool)
+        transform = self.transforms[s]
+        return item if transform is None else transform(item)
+
+    def _frames(self, key: str, frames: torch.Tensor | None) -> torch.Tensor:
+        """The source's frames of camera ``key`` at the mixture's size (resized when its own differ), or zeros where
+        the source has no such camera."""
+        c, h, w = _chw(self.features[key])
+        steps = (len(self.deltas[key]),) if key in self.deltas else ()
+        dtype = torch.uint8 if self.uint8_visuals else torch.float32
+        if frames is None:
+            return torch.zeros((*steps, c, h, w), dtype=dtype)
+        if tuple(frames.shape[-2:]) == (h, w):
+            return frames
+        flat = frames.reshape(-1, *frames.shape[-3:]).float()
+        resized = F.interpolate(flat, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
+        if self.uint8_visuals:
+            resized = resized.round_().clamp_(0, 255).to(torch.uint8)
+        return resized.reshape(*frames.shape[:-2], h, w)
+
+
+def _chw(spec: dict[str, Any]) -> tuple[int, int, int]:
+    """(channels, height, width) of a camera feature, from its shape and names as LeRobot writes them."""
+    shape = [int(v) for v in spec["shape"]]
+    names = spec.get("names") or []
+    if len(names) == 3 and str(names[0]).lower() in ("channel", "channels", "c"):
+        return shape[0], shape[1], shape[2]
+    return shape[2], shape[0], shape[1]
+
+
+class MixtureSampler(ResumableBatchSampler):
+    """The resumable sampler over a mixture: each epoch's order draws the sources by weight (module docstring)."""
+
+    def __init__(self, dataset: MixtureDataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(len(dataset), batch_size, seed, rank, world_size, shuffle=True, cache_dir=dataset.cache_dir)
+        self.weights = torch.from_numpy(dataset.weights)
+        self.offsets = dataset.offsets.tolist()
+        self.lengths = [len(d) for d in dataset.datasets]
+        self.mixture = dataset.fingerprint()
+
+    def _draw(self, epoch: int) -> torch.Tensor:
+        mixed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0])
+        sources = torch.multinomial(self.weights, self.num_samples, replacement=True,
+                                    generator=torch.Generator().manual_seed(mixed))
+        order = torch.empty(self.num_samples, dtype=torch.int64)
+        for s, (offset, length) in enumerate(zip(self.offsets, self.lengths)):
+            positions = torch.nonzero(sources == s).flatten()
+            laps = []
+            for lap in range(-(-len(positions) // length)):
+                lap_seed = int(np.random.SeedSequence([self.seed, epoch, s, lap]).generate_state(1, dtype=np.uint64)[0])
+                laps.append(torch.randperm(length, generator=torch.Generator().manual_seed(lap_seed)))
+            if laps:
+                order[positions] = offset + torch.cat(laps)[: len(positions)]
+        return order
+
+    def global_window(self) -> np.ndarray:
+        """The global indices the next loop step consumes, every rank's micro-batch in rank order."""
+        return self.permutation(self.epoch)[self.offset: self.offset + self.global_batch_size].numpy()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "mixture": self.mixture}
+
+    def load_state_dict(self, state: dict[str, Any]) -> str:
+        if state.get("mixture") != self.mixture:
+            raise ConfigError(
+                f"dataset.sources: the checkpoint's sampler drew from another mixture ({state.get('mixture')}, this run's "
+                f"is {self.mixture}): other sources, weights, episodes or renames. Fix: resume with the saved run's "
+                "dataset.sources, or start a new run (a fine-tune: policy.path=<its pretrained_model>)"
+            )
+        return super().load_state_dict(state)
