@@ -202,7 +202,10 @@ class DatasetConfig:
     def from_repo(self, root_typed: bool) -> DatasetConfig:
         """This group with ``repo_id`` in charge: a root the user did not type (the embedded preset's cache
         directory) gives way to the repo's. A root typed on the command line, or set with ``dataset=lerobot``,
-        is read as given, as LeRobot reads ``--dataset.root``."""
+        is read as given, as LeRobot reads ``--dataset.root``. With ``dataset=mixture`` the sources are in charge: a
+        root the user did not type (an experiment preset's) gives way to them."""
+        if self.name == DatasetName.mixture and not root_typed:
+            return replace(self, root=None)  # a preset's root (experiment=...) gives way to the sources
         if self.repo_id is None or root_typed or self.name != DatasetName.embedded:
             return self
         return replace(self, name=DatasetName.lerobot, root=None)
