@@ -17,6 +17,7 @@ import torch
 from lerobot_mg.accounting.compare import (
     STREAM_FACTS,
     DataMismatch,
+    check_resume,
     compare_runs,
     source_exposure,
 )
@@ -180,6 +181,19 @@ def test_ledgers_written_before_mixtures_still_read(tmp_path: Path) -> None:
     assert not any(name.startswith("samples from") for name, _ in comparison.table)
 
 
+def test_collect_records_the_sources_as_given() -> None:
+    sources = [dict(source) for source in MIXTURE]
+    facts = RunFacts.collect(TrainConfig(policy=ACTConfig()), ParallelDims.resolve(1, None, 1),
+                             dataset_fingerprint="mixture:abcd", lr_schedule={}, model={}, rank_bytes=[],
+                             resumed=None, resume_cause=None, mixture=sources)
+    assert facts.mixture == MIXTURE
+    sources[0]["weight"] = 0.0  # the facts hold their own copy: recorded once, never changed behind them
+    assert facts.mixture[0]["weight"] == 0.75
+    assert RunFacts.collect(TrainConfig(policy=ACTConfig()), ParallelDims.resolve(1, None, 1),
+                            dataset_fingerprint="embedded:abc", lr_schedule={}, model={}, rank_bytes=[],
+                            resumed=None, resume_cause=None).mixture is None
+
+
 def test_a_resume_that_changes_the_mixture_changes_the_stream() -> None:
     assert "mixture" in STREAM_FACTS
     reweighted = dataclasses.replace(FACTS, mixture=[{**ALOHA, "weight": 0.5}, {**PUSHT, "weight": 0.5}])
@@ -313,6 +327,11 @@ def test_a_run_that_changed_its_mixture_at_a_resume_is_not_comparable(tmp_path: 
     # The resume conditions say what changed, as for any fact that changes the sample stream.
     assert ("FLAG: mixture changed at resume (step 4): source aloha weight 75 % -> 50 %; source lerobot_pusht "
             "weight 25 % -> 50 %") in format_text(comparison, None)
+    # Its loaders delivered the reference's indices, yet the resume check names the change of the stream's data.
+    check = check_resume(read_ledger(tmp_path / "changed"), read_ledger(tmp_path / "steady"))
+    assert check.boundaries[0].message.endswith(
+        "match the reference; mixture changed at resume (step 4): source aloha weight 75 % -> 50 %; source "
+        "lerobot_pusht weight 25 % -> 50 %")
     # Both segments' draws count: the first four steps at the old weights, the rest at the new.
     total = {name: expected_counts(range(1, 5), MIXTURE)[name]["samples"]
              + expected_counts(range(5, 9), reweighted.mixture)[name]["samples"] for name in ("aloha", "lerobot_pusht")}
