@@ -3,13 +3,15 @@
 A learning curve can only be attributed to the code, data and layout recorded with it (docs/comparing-runs.md).
 The banner prints ``RunFacts``; ``train_config.json`` (``run_facts``), every checkpoint's ``training_step.json``
 and the ledger's start record (lerobot_mg/accounting) carry it; ``from_dict`` reads any of them back. What changed
-at a resume is computed once, as typed ``FactChange``s that the start-up log and the comparison report render.
+at a resume is computed once, as typed ``FactChange``s that the start-up log and the comparison report render; how
+two dataset mixtures differ, as typed ``MixtureDifference``s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import subprocess
 import types
 import typing
@@ -82,7 +84,87 @@ class FactChange:
     after: Any
 
     def describe(self, where: str) -> str:
+        if self.name == "mixture":  # a list of sources: say which source changed, and how
+            differences = mixture_differences(self.before, self.after, ordered=True)
+            return f"mixture changed {where}: {'; '.join(d.describe() for d in differences)}"
         return f"{self.name.replace('_', ' ')} changed {where}: {describe(self.before)} -> {describe(self.after)}"
+
+
+class MixtureChange(str, Enum):
+    """How one source of a dataset mixture differs between two mixtures."""
+
+    ADDED = "added"  # only the second mixture draws from it
+    REMOVED = "removed"  # only the first one does
+    DATA = "data"  # another dataset revision (fingerprint), or another selection of its frames or episodes
+    WEIGHT = "weight"  # another probability of drawing from it
+    MOVED = "moved"  # another position in dataset.sources: the same weights draw another sample stream
+
+
+@dataclass(frozen=True)
+class MixtureDifference:
+    """One difference between two mixtures, for the source named ``source``; ``before`` and ``after``: the values
+    that differ (a weight, ``{fingerprint, num_frames, num_episodes}``, a position, or the source's facts where it
+    was added or removed)."""
+
+    change: MixtureChange
+    source: str
+    before: Any = None
+    after: Any = None
+
+    def describe(self) -> str:
+        if self.change is MixtureChange.ADDED:
+            return f"source {self.source} added ({percent(self.after['weight'])} of the draws)"
+        if self.change is MixtureChange.REMOVED:
+            return f"source {self.source} removed (was {percent(self.before['weight'])} of the draws)"
+        if self.change is MixtureChange.WEIGHT:
+            return f"source {self.source} weight {percent(self.before)} -> {percent(self.after)}"
+        if self.change is MixtureChange.MOVED:
+            return f"source {self.source} moved from position {self.before} to {self.after} in dataset.sources"
+        return f"source {self.source} data {describe_source_data(self.before)} -> {describe_source_data(self.after)}"
+
+
+MIXTURE_DATA_KEYS = ("fingerprint", "num_frames", "num_episodes")  # what a source holds; where it was read does not
+WEIGHT_TOLERANCE = 1e-9  # relative: weights that differ by rounding only are the same weight
+
+
+def mixture_differences(before: Sequence[dict] | None, after: Sequence[dict] | None,
+                        ordered: bool) -> tuple[MixtureDifference, ...]:
+    """How the mixture ``after`` differs from ``before`` (``RunFacts.mixture``; None: a single dataset, no
+    sources). Sources are matched by name and compared on their data (``MIXTURE_DATA_KEYS``: a source read from
+    another directory or Hub revision with the same fingerprint is the same data) and their weight. ``ordered``:
+    a source at another position counts too, as it does for the sample stream a resume continues (the draw is a
+    function of the source positions); two runs' mixtures are the same distribution whatever the order."""
+    old, new = ({source["name"]: (position, source) for position, source in enumerate(sources or ())}
+                for sources in (before, after))
+    differences = [MixtureDifference(MixtureChange.REMOVED, name, source) for name, (_, source) in old.items()
+                   if name not in new]
+    for name, (position, source) in new.items():
+        if name not in old:
+            differences.append(MixtureDifference(MixtureChange.ADDED, name, None, source))
+            continue
+        was_at, was = old[name]
+        data_before, data_after = ({key: s.get(key) for key in MIXTURE_DATA_KEYS} for s in (was, source))
+        if data_before != data_after:
+            differences.append(MixtureDifference(MixtureChange.DATA, name, data_before, data_after))
+        if not math.isclose(was["weight"], source["weight"], rel_tol=WEIGHT_TOLERANCE):
+            differences.append(MixtureDifference(MixtureChange.WEIGHT, name, was["weight"], source["weight"]))
+        if ordered and was_at != position:
+            differences.append(MixtureDifference(MixtureChange.MOVED, name, was_at, position))
+    return tuple(differences)
+
+
+def percent(weight: float) -> str:
+    """A weight (a probability) as a percentage: four significant digits, so weights that differ print apart."""
+    return f"{100 * weight:.4g} %"
+
+
+def describe_source_data(data: dict) -> str:
+    return (f"{data.get('fingerprint')} ({data.get('num_frames')} frames, {data.get('num_episodes')} episodes)")
+
+
+def describe_mixture(mixture: Sequence[dict]) -> str:
+    """A mixture in one line: each source's name and weight, in ``dataset.sources`` order."""
+    return " + ".join(f"{source['name']} {percent(source['weight'])}" for source in mixture)
 
 
 @dataclass(frozen=True)
@@ -103,13 +185,19 @@ class RunFacts:
     # commit (the Hub commit the files read were downloaded at; None when the directory records none) and how it was
     # found (root | cache | download); lerobot_mg.data.hub.DatasetSource.
     dataset_source: dict | None = None
+    # A dataset mixture (dataset=mixture): one dict per source, in dataset.sources order, with its name, where it
+    # was read (root, repo_id, revision), its data (fingerprint, num_frames, num_episodes, fps) and its weight (the
+    # normalised probability of drawing from it). None: a single dataset.
+    mixture: list[dict] | None = None
 
     @classmethod
     def collect(cls, cfg: TrainConfig, dims: ParallelDims, *, dataset_fingerprint: str, lr_schedule: dict,
                 model: dict, rank_bytes: Sequence[dict], resumed: tuple[Path, RunFacts] | None,
-                resume_cause: ResumeCause | None, dataset_source: dict | None = None) -> RunFacts:
+                resume_cause: ResumeCause | None, dataset_source: dict | None = None,
+                mixture: Sequence[dict] | None = None) -> RunFacts:
         """The facts of this start (the code revision is asked of git here, once per start); ``resumed``: the
-        checkpoint this start continues and the facts of the start that wrote it."""
+        checkpoint this start continues and the facts of the start that wrote it; ``mixture``: the sources of a
+        dataset mixture (``MixtureDataset.facts()``), None for a single dataset."""
         batch = BatchArithmetic(cfg.batch_size, dims.dp_world_size, cfg.accelerator.gradient_accumulation.steps)
         return cls(
             batch=batch, topology=dims.topology, precision=str(cfg.accelerator.mixed_precision),
@@ -118,22 +206,32 @@ class RunFacts:
             rank_bytes=tuple(rank_bytes), resumed_from=None if resumed is None else str(resumed[0]),
             continuation=None if resumed is None else Continuation.of_resume(resumed[1].batch, batch),
             resume_cause=None if resumed is None else resume_cause, dataset_source=dataset_source,
+            mixture=None if mixture is None else [dict(source) for source in mixture],
         )
 
     def changes_since(self, before: RunFacts) -> tuple[FactChange, ...]:
         """The facts that differ from ``before``'s (the start this one resumed). Where from, how exactly and why a
-        start resumed differ by nature; the bytes per rank follow from the model and the topology."""
+        start resumed differ by nature; the bytes per rank follow from the model and the topology. A mixture
+        changes when a source is added, removed or moved, or its data or weight changes (``mixture_differences``),
+        not when a source is read from another place."""
         compared = [f.name for f in fields(self) if f.name not in (
             "rank_bytes", "resumed_from", "continuation", "resume_cause")]
+
+        def changed(name: str) -> bool:
+            if name == "mixture":
+                return bool(mixture_differences(before.mixture, self.mixture, ordered=True))
+            return _compared(before, name) != _compared(self, name)
+
         return tuple(FactChange(name, _compared(before, name), _compared(self, name)) for name in compared
-                     if _compared(before, name) != _compared(self, name))
+                     if changed(name))
 
     def describe(self) -> list[str]:
         return [f"topology: {self.topology.describe()} (world size {self.topology.world_size})",
                 f"batch: {self.batch.describe()}",
                 f"precision: {self.precision}  checkpoint format: {self.checkpoint_format}",
                 f"code: {self.code_revision.describe()}  dataset: {self.dataset_fingerprint}{self._source()}",
-                f"lr schedule: {describe(self.lr_schedule)}"]
+                f"lr schedule: {describe(self.lr_schedule)}",
+                *([f"mixture: {describe_mixture(self.mixture)}"] if self.mixture is not None else [])]
 
     def _source(self) -> str:
         source = self.dataset_source

@@ -1,6 +1,6 @@
 """What a run records as it goes, behind one object so the loop stays short: loop counters, digests of what the
-DataLoader delivered, metrics reduced across ranks, the ledger (the run's one time series), the trackers (wandb,
-trackio) and the progress shown on stdout."""
+DataLoader delivered, what a dataset mixture drew from each source, metrics reduced across ranks, the ledger (the
+run's one time series), the trackers (wandb, trackio) and the progress shown on stdout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +31,7 @@ from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.distributed.metrics import IntervalMetrics
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims
 from lerobot_mg.distributed.trackers import Trackers
-from lerobot_mg.run_facts import Progress, RunFacts
+from lerobot_mg.run_facts import Progress, RunFacts, percent
 from lerobot_mg.step import StepLogs
 
 logger = logging.getLogger("lerobot_mg.train")
@@ -85,6 +85,53 @@ class LoaderDigests:
         return digests
 
 
+class SourceDraws:
+    """What a dataset mixture drew from each of its sources in one log interval: samples, and distinct episodes.
+
+    The main process knows every rank's samples of a loop step from the sampler, so it counts the whole global
+    batch alone, without a collective. Episode keys are buffered and made unique every ``_COMPACT_AT`` of them,
+    which bounds the memory of a long interval by the number of distinct episodes.
+    """
+
+    _COMPACT_AT = 1 << 20
+    _EPISODE_BITS = 32  # a key is source << 32 | episode
+
+    def __init__(self, names: Sequence[str], samples_per_loop_step: int) -> None:
+        self.names, self.samples_per_loop_step = tuple(names), samples_per_loop_step
+        self._samples = np.zeros(len(self.names), dtype=np.int64)
+        self._keys: list[np.ndarray] = []
+        self._buffered = 0
+
+    def add(self, sources: np.ndarray, episodes: np.ndarray) -> None:
+        """One loop step's global batch: each sample's source position and that source's episode index."""
+        sources, episodes = np.asarray(sources, dtype=np.int64), np.asarray(episodes, dtype=np.int64)
+        if sources.shape != (self.samples_per_loop_step,) or episodes.shape != sources.shape:
+            raise ValueError(f"drawn() takes the source and episode of each of the {self.samples_per_loop_step} "
+                             f"samples of a loop step's global batch, got shapes {sources.shape} and {episodes.shape}")
+        if sources.min() < 0 or sources.max() >= len(self.names) or episodes.min() < 0 or (
+                episodes.max() >> self._EPISODE_BITS):
+            raise ValueError(f"drawn(): source positions must lie in [0, {len(self.names)}) and episode indices in "
+                             f"[0, 2**{self._EPISODE_BITS}), got sources {sources.min()}..{sources.max()}, episodes "
+                             f"{episodes.min()}..{episodes.max()}")
+        self._samples += np.bincount(sources, minlength=len(self.names))
+        self._keys.append(np.unique(sources << self._EPISODE_BITS | episodes))
+        self._buffered += len(self._keys[-1])
+        if self._buffered >= self._COMPACT_AT:
+            self._keys = [np.unique(np.concatenate(self._keys))]
+            self._buffered = len(self._keys[0])
+
+    def take(self) -> dict[str, dict[str, int]]:
+        """The interval's counts per source name, ``{"samples", "episodes"}`` (every source, drawn or not); starts
+        the next interval."""
+        keys = np.unique(np.concatenate(self._keys)) if self._keys else np.zeros(0, dtype=np.int64)
+        episodes = np.bincount(keys >> self._EPISODE_BITS, minlength=len(self.names))
+        counts = {name: {"samples": int(samples), "episodes": int(distinct)}
+                  for name, samples, distinct in zip(self.names, self._samples, episodes)}
+        self._samples[:] = 0
+        self._keys, self._buffered = [], 0
+        return counts
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -107,6 +154,8 @@ class RunTracker:
                                  f"{run_config['job_name']}-{output_dir.name}", run_config)
         self.interval = IntervalMetrics(dims, device)
         self.digests = LoaderDigests(facts.batch, dims.rank) if logging.record_sample_digests else None
+        self.draws = (SourceDraws([source["name"] for source in facts.mixture], facts.batch.samples_per_loop_step)
+                      if facts.mixture is not None else None)
         self.last_metrics: dict[str, float] = {"loss": math.nan}
         self._last_grad_norm = self._lr = math.nan
         self._skipped: int | torch.Tensor = 0  # updates the fp16 scaler skipped since the last log (device tensor)
@@ -115,6 +164,15 @@ class RunTracker:
                           if logging.progress_bar and dims.is_main_process else None)
         self._start = self._interval_start = time.perf_counter()
         self._interval_steps = 0
+
+    def drawn(self, sources: np.ndarray, episodes: np.ndarray) -> None:
+        """A dataset mixture's loop step: the source position (in ``dataset.sources``) and that source's episode
+        index of every sample of the step's global batch, all ranks' (from the sampler). The main process calls it
+        once per loop step, before ``step_done``; the interval that step ends in records the counts per source.
+        Other ranks need not call it: only the main process writes the ledger."""
+        if self.draws is None:
+            raise ValueError("drawn() counts the draws of a dataset mixture, and this run's facts have no mixture")
+        self.draws.add(sources, episodes)
 
     def step_done(self, logs: StepLogs, index_B: torch.Tensor, data_wait_s: float) -> None:
         """Account for one finished loop step that trained on the samples ``index_B`` (this rank's micro-batch),
@@ -157,9 +215,10 @@ class RunTracker:
         if math.isfinite(self._last_grad_norm):  # the last update's (clipping off: not computed)
             reduced["grad_norm"] = self._last_grad_norm
         updates = self.digests.unpack(summed) if self.digests is not None else ()
+        sources = self.draws.take() if self.draws is not None else {}
         p = self.progress
         self.ledger.write(IntervalRecord(time.time(), replace(p), time.perf_counter() - self._start,
-                                         reduced, updates))
+                                         reduced, updates, sources))
         self.trackers.log(p.step, {**reduced, "samples_seen": p.samples_seen,
                                    "optimizer_updates": p.optimizer_updates, "skipped_updates": p.skipped_updates})
         self.last_metrics = reduced
@@ -268,8 +327,12 @@ def log_resume(resume: ResumePoint, facts: RunFacts, position: str) -> None:
 
 def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, output_dir: Path,
                   progress: Progress) -> None:
+    """The run's facts and recipe on stdout (main process). ``dataset``: the single dataset trained on; a
+    mixture's sources are printed from ``facts.mixture`` instead (``dataset`` is not read then)."""
     num_params, num_trainable = facts.model["total_params"], facts.model["trainable_params"]
     per_rank = ", ".join(f"{held['parameters'] / 2**20:.2f}" for held in facts.rank_bytes)
+    data = ("dataset: a mixture of the sources below" if facts.mixture is not None else
+            f"dataset: {dataset.root} ({len(dataset)} frames, {dataset.num_episodes} episodes)")
     lines = [f"lerobot_mg train: {cfg.job_name} -> {output_dir}", *(f"  {line}" for line in facts.describe()),
              f"  steps: {cfg.steps} loop steps = {facts.batch.sample_presentations(cfg.steps)} sample presentations, "
              f"{facts.batch.optimizer_updates(cfg.steps)} optimizer updates (lr and steps are never auto-scaled)",
@@ -277,8 +340,8 @@ def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, out
              "update uses the lr of its loop step",
              *(f"  {line}" for line in cfg.recipe_lines()),  # the recipe and whether the policy's preset gave it
              f"  policy: {cfg.policy.type} ({num_params:,} params, {num_trainable:,} trainable = "
-             f"{100 * num_trainable / num_params:.1f}%)  dataset: {dataset.root} ({len(dataset)} frames, "
-             f"{dataset.num_episodes} episodes)",
+             f"{100 * num_trainable / num_params:.1f}%)  {data}",
+             *(f"  {line}" for line in mixture_lines(cfg, facts.mixture or ())),
              f"  parameter MiB per rank: [{per_rank}]"]
     if facts.model["base_model_path"] is not None:
         peft = facts.model["peft"]
@@ -289,3 +352,27 @@ def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, out
         lines.append(f"  resumed at loop step {progress.step} from {facts.resumed_from} ({facts.resume_cause.value}): "
                      f"{facts.continuation.value}")
     print("\n".join(lines), flush=True)
+
+
+def mixture_lines(cfg: TrainConfig, mixture: Sequence[dict]) -> list[str]:
+    """What the banner says about a dataset mixture: its totals and normalisation, then one line per source with
+    its weight (the probability of drawing from it, and whether dataset.sources set it or the source's share of
+    frames gave it), frames, episodes and fps. Empty for a single dataset."""
+    if not mixture:
+        return []
+    typed = list(getattr(cfg.dataset, "sources", None) or ())
+    stats = getattr(cfg.dataset, "stats", None)
+    normalised = "" if stats is None else "; normalised with " + {
+        "merged": "merged statistics, one normaliser over every source (LeRobot's aggregate_stats)",
+        "per_source": "per-source statistics, each sample with its own source's"}.get(str(stats), str(stats)) + (
+        f" (dataset.stats={stats})")
+    lines = [f"mixture sources: {len(mixture)}, {sum(s['num_frames'] for s in mixture):,} frames, "
+             f"{sum(s['num_episodes'] for s in mixture):,} episodes{normalised}"]
+    for position, source in enumerate(mixture):
+        given = ("" if position >= len(typed) else  # the config names each source's weight, or none
+                 " (its share of frames)" if getattr(typed[position], "weight", None) is None else " (weight set)")
+        where = source.get("repo_id") or source.get("root")
+        lines.append(f"  [{position}] {source['name']}: {percent(source['weight'])} of draws{given}, "
+                     f"{source['num_frames']:,} frames, {source['num_episodes']:,} episodes, {source['fps']:g} fps"
+                     f"  ({where}, {source['fingerprint']})")
+    return lines

@@ -1,7 +1,9 @@
 """Honest comparison of runs from their ledgers (docs/comparing-runs.md): equal loop steps can hide half the data
 exposure and a clean resume can change the sample stream, so a comparison states each run's arithmetic behind the
 step counter, which quantities the runs held fixed, the conditions of every start and resume, and (on request)
-whether a resumed run's loaders delivered the reference run's samples.
+whether a resumed run's loaders delivered the reference run's samples. Runs that did not train on the same data
+(another dataset, or another mixture of sources or weights) are not comparable, and the comparison says why
+(``Comparability``); a mixture's runs also show what they drew from each source (``SourceExposure``).
 
 Counts (sample presentations, optimizer updates, the effective batch) are held fixed only when they are equal.
 A figure measured by the clock (the compute budget in worker-seconds) is never reproduced exactly, not even by the
@@ -22,10 +24,20 @@ from lerobot_mg.accounting.evals import RunEvals, run_evals
 from lerobot_mg.accounting.ledger import RunRecord, StartRecord, UpdateDigest
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation
 from lerobot_mg.errors import ConfigError
-from lerobot_mg.run_facts import FactChange, Progress, describe
+from lerobot_mg.run_facts import (
+    FactChange,
+    MixtureDifference,
+    Progress,
+    RunFacts,
+    describe,
+    describe_mixture,
+    mixture_differences,
+    percent,
+)
 
 DEFAULT_TOLERANCE = 0.10  # relative: two figures measured by the clock within 10 % of each other are the same
-STREAM_FACTS = ("batch", "topology", "dataset_fingerprint")  # changed at a resume, they change the sample stream
+# Changed at a resume, they change the sample stream.
+STREAM_FACTS = ("batch", "topology", "dataset_fingerprint", "mixture")
 
 
 class Quantity(str, Enum):
@@ -107,6 +119,100 @@ def clock_figure(seconds: float) -> str:
 
 
 @dataclass(frozen=True)
+class SourceExposure:
+    """What a run drew from one source of its dataset mixture over its effective run (the ledger's intervals)."""
+
+    name: str
+    samples: int
+    share: float | None  # of every sample the run drew from its sources; None: its ledger recorded no draws
+    weights: tuple[float, ...]  # the source's weight at the starts that had it, each distinct value in order
+
+
+def source_exposure(record: RunRecord) -> tuple[SourceExposure, ...]:
+    """Per source of the run's mixture (every source of any effective start, in order): the samples drawn and
+    their share of all drawn. Empty for a single dataset."""
+    mixtures = [segment.start.facts.mixture for segment in record.effective_segments
+                if segment.start.facts.mixture is not None]
+    samples = dict.fromkeys((source["name"] for mixture in mixtures for source in mixture), 0)
+    for interval in record.intervals:
+        for name, counts in interval.sources.items():
+            samples[name] = samples.get(name, 0) + counts["samples"]
+    total = sum(samples.values())
+    return tuple(SourceExposure(name, drawn, drawn / total if total else None,
+                                distinct([s["weight"] for mixture in mixtures for s in mixture if s["name"] == name]))
+                 for name, drawn in samples.items())
+
+
+class DataMismatch(str, Enum):
+    """Why two runs did not train on the same data."""
+
+    DATASET = "dataset"  # the dataset fingerprints differ (a single dataset each, or one of them a mixture)
+    MIXTURE = "mixture"  # both trained on mixtures, of other sources, source data or weights
+    CHANGED = "changed at a resume"  # a run's own data changed at one of its resumes
+
+
+@dataclass(frozen=True)
+class DataDifference:
+    """One reason runs are not comparable. ``run`` differs from ``reference`` (the first run), or for
+    ``CHANGED``, from its own data before its resume at ``loop_step``. ``fingerprints``: the dataset fingerprints
+    before and after; ``sources``: how the mixture changed, source by source (``MIXTURE``, ``CHANGED``)."""
+
+    mismatch: DataMismatch
+    run: str
+    reference: str | None
+    loop_step: int | None
+    fingerprints: tuple[str, str]
+    sources: tuple[MixtureDifference, ...] = ()
+
+    def describe(self) -> str:
+        detail = ("; ".join(difference.describe() for difference in self.sources) if self.sources else
+                  f"dataset {self.fingerprints[0]} -> {self.fingerprints[1]}")
+        if self.mismatch is DataMismatch.CHANGED:
+            return f"{self.run}: the training data changed at its resume at loop step {self.loop_step:,}: {detail}"
+        if self.mismatch is DataMismatch.MIXTURE:
+            return f"mixture differs between runs, {self.reference} -> {self.run}: {detail}"
+        return f"dataset differs between runs: {self.reference} {self.fingerprints[0]}, {self.run} {self.fingerprints[1]}"
+
+
+@dataclass(frozen=True)
+class Comparability:
+    """Whether the runs trained on the same data: the same dataset, or the same mixture (the same sources, with
+    the same data and weights; where each was read from does not count), throughout. Only then can their curves
+    be compared at all; what else they held fixed is ``Comparison.held_fixed``."""
+
+    comparable: bool
+    differences: tuple[DataDifference, ...]  # empty when comparable
+    data: tuple[str, ...]  # each run's data, as its first effective start recorded it
+
+
+def _data_differences(facts: RunFacts, other: RunFacts, run: str, reference: str | None,
+                      loop_step: int | None, mismatch: DataMismatch | None) -> list[DataDifference]:
+    """How ``other``'s data differs from ``facts``'s: source by source where both are mixtures, else (or where the
+    sources agree yet the fingerprints do not) by the dataset fingerprint."""
+    fingerprints = (facts.dataset_fingerprint, other.dataset_fingerprint)
+    if facts.mixture is not None and other.mixture is not None:
+        sources = mixture_differences(facts.mixture, other.mixture, ordered=False)
+        if sources:
+            return [DataDifference(mismatch or DataMismatch.MIXTURE, run, reference, loop_step, fingerprints, sources)]
+    if fingerprints[0] != fingerprints[1]:
+        return [DataDifference(mismatch or DataMismatch.DATASET, run, reference, loop_step, fingerprints)]
+    return []
+
+
+def comparability(records: Sequence[RunRecord], labels: Sequence[str]) -> Comparability:
+    """The verdict on the runs' data: each run against the first, and each run against itself at its resumes."""
+    starts = [[segment.start for segment in record.effective_segments] for record in records]
+    differences = [difference for label, run in zip(labels, starts) for before, after in zip(run, run[1:])
+                   for difference in _data_differences(before.facts, after.facts, label, None, after.progress.step,
+                                                       DataMismatch.CHANGED)]
+    differences += [difference for label, run in zip(labels[1:], starts[1:])
+                    for difference in _data_differences(starts[0][0].facts, run[0].facts, label, labels[0], None, None)]
+    data = tuple(run[0].facts.dataset_fingerprint + (f" = mixture {describe_mixture(run[0].facts.mixture)}"
+                                                       if run[0].facts.mixture is not None else "") for run in starts)
+    return Comparability(not differences, tuple(differences), data)
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """One run's arithmetic. Tuples hold each distinct value in order (more than one: changed at a resume)."""
 
@@ -123,6 +229,7 @@ class RunSummary:
     final_loss: float | None
     wall_time_s: float
     compute_budget_worker_s: float
+    exposure: tuple[SourceExposure, ...] = ()  # per source of a dataset mixture; empty for a single dataset
 
 
 @dataclass(frozen=True)
@@ -149,6 +256,7 @@ class StartConditions:
 class Comparison:
     runs: tuple[RunSummary, ...]
     shared_loop_step: int
+    comparability: Comparability  # whether the runs trained on the same data (else, why not)
     table: tuple[tuple[str, tuple[str, ...]], ...]  # (quantity, one cell per run)
     held_fixed: dict[Quantity, HeldFixed]  # every Quantity, in report order
     same_lr_schedule: bool
@@ -173,6 +281,26 @@ def distinct(values: Sequence[Any]) -> tuple[Any, ...]:
 
 def joined(values: Sequence[Any]) -> str:
     return " -> ".join(f"{value:,}" if isinstance(value, int) else describe(value) for value in values)
+
+
+def source_names(runs: Sequence[RunSummary]) -> tuple[str, ...]:
+    """Every source any run drew from, in the order the runs list them."""
+    return tuple(dict.fromkeys(exposure.name for run in runs for exposure in run.exposure))
+
+
+def exposure_cells(runs: Sequence[RunSummary], name: str) -> tuple[str, ...]:
+    """Per run: the samples drawn from source ``name``, their share of the run's draws, and the source's weight
+    (the share the run asked for); ``-`` where the run had no such source."""
+
+    def cell(exposure: SourceExposure | None) -> str:
+        if exposure is None:
+            return "-"
+        weight = f"weight {' -> '.join(percent(weight) for weight in exposure.weights)}"
+        if exposure.share is None:
+            return f"not recorded ({weight})"
+        return f"{exposure.samples:,} = {percent(exposure.share)} ({weight})"
+
+    return tuple(cell(next((e for e in run.exposure if e.name == name), None)) for run in runs)
 
 
 def counts_at(record: RunRecord, loop_step: int) -> tuple[Progress, bool]:
@@ -203,6 +331,7 @@ def summarize_run(record: RunRecord, label: str, shared_loop_step: int) -> RunSu
         *counts_at(record, shared_loop_step), None if final is None else final.metrics["lr"],
         None if final is None else final.metrics["loss"], record.total_wall_time_s,
         sum(s.intervals[-1].wall_time_s * s.start.facts.topology.world_size for s in effective if s.intervals),
+        source_exposure(record),
     )
 
 
@@ -255,6 +384,7 @@ def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERA
             ("loop steps (total)", counts("step", "total"), True),
             ("sample presentations (total)", counts("samples_seen", "total"), True),
             ("optimizer updates (total)", counts("optimizer_updates", "total"), True),
+            *((f"samples from {name} (total)", exposure_cells(runs, name), False) for name in source_names(runs)),
             ("lr schedule", tuple(joined(r.lr_schedules) for r in runs), True),
             ("final lr", tuple("-" if r.final_lr is None else f"{r.final_lr:.4g}" for r in runs), False),
             ("final loss", tuple("-" if r.final_loss is None else f"{r.final_loss:.4g}" for r in runs), False),
@@ -272,10 +402,10 @@ def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERA
                 within_tolerance(Quantity.COMPUTE_BUDGET, [r.compute_budget_worker_s for r in runs], tolerance))
     first = [record.segments[0].start.facts for record in records]
     cross_run = [("code revision", [f.code_revision.describe() for f in first]),
-                 ("dataset", [f.dataset_fingerprint for f in first]),
                  ("checkpoint format", [f.checkpoint_format for f in first])]
     return Comparison(
-        runs=runs, shared_loop_step=step, table=tuple((name, cells) for name, cells, _ in rows),
+        runs=runs, shared_loop_step=step, comparability=comparability(records, labels),
+        table=tuple((name, cells) for name, cells, _ in rows),
         held_fixed={verdict.quantity: verdict for verdict in verdicts},
         same_lr_schedule=all(len(r.lr_schedules) == 1 for r in runs) and _same([r.lr_schedules for r in runs]),
         same_accumulation=_same([distinct([a.grad_accum_steps for a in r.arithmetic]) for r in runs]),

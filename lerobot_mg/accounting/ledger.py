@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ class IntervalRecord:
     wall_time_s: float  # since this process started
     metrics: dict[str, float]  # loss, lr and the rest, reduced across ranks
     updates: tuple[UpdateDigest, ...] = ()
+    # A dataset mixture: per source name, what the interval's global batches drew from it: {"samples": int,
+    # "episodes": int (distinct episodes of that source)}. Empty for a single dataset.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

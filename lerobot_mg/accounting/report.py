@@ -1,7 +1,8 @@
 """A run comparison as a console table, Markdown, learning-curve PNG or JSON (``lerobot-mg-compare``). The curves
 (the training loss, and where the runs evaluated, the success rate in simulation and the validation loss) are drawn
 against loop steps, sample presentations and optimizer updates, because a curve that leads on one axis can trail on
-another (docs/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason."""
+another (docs/comparing-runs.md); the Markdown puts the arithmetic table beside them for that reason. Every format
+leads with the verdict on the runs' data: runs that trained on different data are not comparable."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ def tolerance_line(verdict: HeldFixed, labels: Sequence[str]) -> str:
     if verdict.held:
         return f"{name} held fixed: {figures}, {verdict.spread * 100:.2f} % apart, within {tolerance}"
     return f"{name} not held fixed: {figures}, {verdict.spread * 100:.2f} % apart, more than {tolerance}"
+
+
+def comparability_lines(comparison: Comparison) -> list[str]:
+    """The verdict on the runs' data: the first line says whether they are comparable, the rest why not."""
+    verdict = comparison.comparability
+    if verdict.comparable:
+        return [f"comparable: yes, every run trained on the same data: {verdict.data[0]}"]
+    return ["comparable: NO, the runs did not train on the same data, so their curves say nothing about the rest:",
+            *(f"  {difference.describe()}" for difference in verdict.differences)]
 
 
 def held_fixed_lines(comparison: Comparison) -> list[str]:
@@ -89,7 +99,8 @@ def format_text(comparison: Comparison, check: ResumeCheck | None) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     out.insert(1, "-+-".join("-" * width for width in widths))
-    out += ["", *held_fixed_lines(comparison), *(f"  {d}" for d in comparison.differences)]
+    out += ["", *comparability_lines(comparison), "", *held_fixed_lines(comparison),
+            *(f"  {d}" for d in comparison.differences)]
     if evals := eval_lines(comparison):
         out += ["", "best evaluations:", *(f"  {line}" for line in evals)]
     out += ["", "resume conditions:", *condition_lines(comparison)]
@@ -102,7 +113,9 @@ def format_markdown(comparison: Comparison, check: ResumeCheck | None, plot_name
     def row(cells: Sequence[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
+    verdict, *reasons = comparability_lines(comparison)
     out = ["# Run comparison", "", f"Runs: {', '.join(f'`{label}`' for label in labels)}", "",
+           f"**{verdict}**", "", *(f"- {reason.strip()}" for reason in reasons), *([""] if reasons else []),
            "## Batch arithmetic and learning curves", "",
            # An HTML table puts the arithmetic beside the plot; the blank lines let Markdown render inside it.
            '<table><tr><td valign="top">', "", row(["quantity", *labels]), "|---|" + "---|" * len(labels),
