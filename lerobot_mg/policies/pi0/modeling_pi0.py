@@ -39,6 +39,7 @@ from lerobot_mg.policies.vla.common import (
     LANGUAGE_ATTENTION_MASK,
     LANGUAGE_TOKENS,
     attention_masks_4d,
+    blank_empty_camera,
     euler_integrate,
     example_language,
     flow_matching_losses,
@@ -47,10 +48,12 @@ from lerobot_mg.policies.vla.common import (
     pad_vector,
     per_sample_noise_and_time,
     position_ids_from_pad_masks,
+    reduce_action_losses,
     resize_with_pad_centered,
     sample_noise,
     sample_time_beta,
     sinusoidal_time_embedding,
+    zero_padded_action_dims,
 )
 from lerobot_mg.policies.vla.joint import KeyValue
 from lerobot_mg.policies.vla.paligemma import SIGLIP_LAYER_CLASS, PaliGemmaWithExpertModel
@@ -269,7 +272,8 @@ class PI0Policy(PreTrainedPolicy):
 
     def preprocess_images(self, batch: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """The cameras as the VLM reads them: each present camera resized with padding to image_resolution and
-        mapped from [0, 1] to [-1, 1] (mask True), then the absent ones (the empty cameras) all -1 (mask False)."""
+        mapped from [0, 1] to [-1, 1] (mask True, or all -1 and mask False in the samples whose
+        ``empty_camera_key(camera)`` is True), then the absent ones (the empty cameras) all -1 (mask False)."""
         present = [key for key in self.image_keys if key in batch]
         missing = [key for key in self.image_keys if key not in batch]
         if not present:
@@ -288,8 +292,10 @@ class PI0Policy(PreTrainedPolicy):
             image = image * 2.0 - 1.0
             if channels_first:
                 image = image.permute(0, 3, 1, 2)
+            image, mask = blank_empty_camera(batch, key, image,
+                                             torch.ones(image.shape[0], dtype=torch.bool, device=device))
             images.append(image)
-            masks.append(torch.ones(image.shape[0], dtype=torch.bool, device=device))
+            masks.append(mask)
         for _ in missing:
             images.append(torch.ones_like(images[-1]) * -1)
             masks.append(torch.zeros_like(masks[-1]))
@@ -316,7 +322,7 @@ class PI0Policy(PreTrainedPolicy):
         if actions.shape[1] != self.config.chunk_size:
             raise ValueError(f"The batch's action chunk has {actions.shape[1]} steps but policy.chunk_size="
                              f"{self.config.chunk_size}; load actions at policy.action_delta_indices.")
-        return pad_vector(actions, self.config.max_action_dim)
+        return pad_vector(zero_padded_action_dims(batch, actions), self.config.max_action_dim)
 
     def training_draws(self, batch: dict[str, Tensor], shape: tuple[int, ...], device: torch.device
                        ) -> tuple[Tensor, Tensor]:
@@ -334,7 +340,8 @@ class PI0Policy(PreTrainedPolicy):
 
     def elementwise_losses(self, batch: dict[str, Tensor], noise: Tensor | None = None, time: Tensor | None = None
                            ) -> Tensor:
-        """(B, chunk, action_dim) squared velocity errors (the padded action dims dropped)."""
+        """(B, chunk, action_dim) squared velocity errors (the dims past the action feature dropped; a dataset
+        mixture's padded dims, ``ACTION_DIM_PAD_KEY``, are kept: :meth:`forward` leaves them out)."""
         images, img_masks = self.preprocess_images(batch)
         tokens, masks = self._language(batch)
         state = self.prepare_state(batch)
@@ -349,13 +356,10 @@ class PI0Policy(PreTrainedPolicy):
     def forward(self, batch: dict[str, Tensor], noise: Tensor | None = None, time: Tensor | None = None,
                 reduction: str = "mean") -> tuple[Tensor, dict[str, float]]:
         """LeRobot's loss: the mean over the batch, every chunk step (``action_is_pad`` is not read, as in LeRobot)
-        and the action's dims; ``reduction="none"`` gives one loss per sample (B,)."""
+        and the action's dims, less the dims a dataset mixture marks as padding (``ACTION_DIM_PAD_KEY``, see
+        :func:`reduce_action_losses`); ``reduction="none"`` gives one loss per sample (B,)."""
         losses = self.elementwise_losses(batch, noise, time)
-        if reduction == "none":
-            return losses.mean(dim=(1, 2)), {}
-        if reduction != "mean":
-            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        return losses.mean(), {}
+        return reduce_action_losses(batch, losses, reduction, mask_steps=False), {}
 
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict[str, Tensor], noise: Tensor | None = None,

@@ -44,6 +44,7 @@ from lerobot_mg.policies.smolvla.vlm import load_vlm_weights, smolvlm_config, vl
 from lerobot_mg.policies.vla.common import (
     LANGUAGE_ATTENTION_MASK,
     LANGUAGE_TOKENS,
+    blank_empty_camera,
     euler_integrate,
     example_language,
     flow_matching_losses,
@@ -53,10 +54,12 @@ from lerobot_mg.policies.vla.common import (
     pad_vector,
     per_sample_noise_and_time,
     position_ids_from_pad_masks,
+    reduce_action_losses,
     resize_with_pad_top_left,
     sample_noise,
     sample_time_beta,
     sinusoidal_time_embedding,
+    zero_padded_action_dims,
 )
 
 OBS_STATE = "observation.state"
@@ -346,18 +349,21 @@ class SmolVLAPolicy(PreTrainedPolicy):
 
     def prepare_images(self, batch: dict[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """Per camera: the last frame, resized with padding to ``resize_imgs_with_padding`` ([width, height]),
-        mapped from [0, 1] to [-1, 1], and its mask (the batch's ``<key>_padding_mask``, else all true); then an
-        all-black masked image for each missing camera, up to ``empty_cameras``."""
+        mapped from [0, 1] to [-1, 1], and its mask (the batch's ``<key>_padding_mask``, else all true; all -1 and
+        masked in the samples whose ``empty_camera_key(key)`` is True); then an all-black masked image for each
+        missing camera, up to ``empty_cameras``."""
         images, masks = [], []
         resize = self.config.resize_imgs_with_padding
         for key in self._camera_keys_present(batch):
             image = batch[key][:, -1] if batch[key].ndim == 5 else batch[key]
             if resize is not None:
                 image = resize_with_pad_top_left(image, resize[1], resize[0], pad_value=0)
-            images.append(image * 2.0 - 1.0)
             mask_key = f"{key}_padding_mask"
-            masks.append(batch[mask_key].bool() if mask_key in batch
-                         else torch.ones(image.shape[0], dtype=torch.bool, device=image.device))
+            mask = (batch[mask_key].bool() if mask_key in batch
+                    else torch.ones(image.shape[0], dtype=torch.bool, device=image.device))
+            image, mask = blank_empty_camera(batch, key, image * 2.0 - 1.0, mask)
+            images.append(image)
+            masks.append(mask)
         missing = len(self.image_keys) - len(images)
         for _ in range(min(missing, self.config.empty_cameras)):
             images.append(torch.ones_like(images[-1]) * -1)
@@ -385,25 +391,18 @@ class SmolVLAPolicy(PreTrainedPolicy):
     def forward(self, batch: dict[str, Tensor], noise: Tensor | None = None, time: Tensor | None = None,
                 reduction: str = "mean") -> tuple[Tensor, dict[str, Tensor]]:
         """LeRobot's SmolVLA loss: the squared velocity error over the dataset's action dims, the steps past the
-        episode end (``action_is_pad``) zeroed, divided by (valid steps x action dims); ``reduction="none"`` gives
-        it per sample (B,). ``noise`` (B, chunk, max_action_dim) and ``time`` (B,) replace the random draws."""
+        episode end (``action_is_pad``) zeroed, divided by (valid steps x action dims), and a dataset mixture's
+        padded dims (``ACTION_DIM_PAD_KEY``) left out of both (see :func:`reduce_action_losses`); ``reduction="none"``
+        gives it per sample (B,). ``noise`` (B, chunk, max_action_dim) and ``time`` (B,) replace the random draws."""
         self._require_keys(batch, need_action=True)
-        actions = pad_vector(batch["action"], self.config.max_action_dim)
+        actions = pad_vector(zero_padded_action_dims(batch, batch["action"]), self.config.max_action_dim)
         if noise is None or time is None:
             drawn_noise, drawn_time = self._training_draws(batch, tuple(actions.shape), actions.device)
             noise = drawn_noise if noise is None else noise
             time = drawn_time if time is None else time
         losses = self.model(*self._inputs(batch), actions, noise, time)[:, :, : self.action_dim]
         logs = {"losses_after_forward": losses.detach().mean()}
-        is_pad = batch.get("action_is_pad")
-        if is_pad is None:
-            loss = losses.mean() if reduction == "mean" else losses.mean(dim=(1, 2))
-            return loss, logs
-        valid = ~is_pad
-        losses = losses * valid.unsqueeze(-1)
-        if reduction == "none":
-            return losses.sum(dim=(1, 2)) / (valid.sum(dim=1) * losses.shape[-1]).clamp_min(1), logs
-        return losses.sum() / (valid.sum() * losses.shape[-1]).clamp_min(1), logs
+        return reduce_action_losses(batch, losses, reduction, mask_steps=True), logs
 
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict[str, Tensor], noise: Tensor | None = None) -> Tensor:

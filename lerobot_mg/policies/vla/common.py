@@ -12,6 +12,11 @@ sum of that mask is at most its own (see :func:`make_att_2d_masks`).
 Every draw of noise or time can come from an explicit ``torch.Generator`` (one per sample, seeded from the batch's
 ``sample_seed``) so that training is the same on every data-parallel layout; without one the global RNG is used,
 as LeRobot does.
+
+A batch of a dataset mixture mixes robots: per sample, action dimensions that are padding (``ACTION_DIM_PAD_KEY``)
+and cameras its source does not have (``empty_camera_key``). :func:`blank_empty_camera`,
+:func:`zero_padded_action_dims` and :func:`reduce_action_losses` give them LeRobot's treatment of an empty camera
+and of the action dims past the action feature, per sample; a batch without those keys computes LeRobot's numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+
+from lerobot_mg.policies.base import ACTION_DIM_PAD_KEY, empty_camera_key
 
 # The additive value of a masked position in the 4D attention masks (openpi's constant, kept by LeRobot).
 ATTENTION_MASK_VALUE = -2.3819763e38
@@ -232,3 +239,55 @@ def euler_integrate(velocity: Callable[[Tensor, Tensor], Tensor], noise: Tensor,
             on_step(time_tensor, x_t, v_t)
         x_t = x_t + dt * v_t
     return x_t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batches that mix robots: empty cameras and padded action dimensions, per sample
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def blank_empty_camera(batch: dict[str, Tensor], camera: str, image: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``camera``'s image (B, ...) already mapped to [-1, 1] and its mask (B,), with LeRobot's empty camera in the
+    samples the batch's ``empty_camera_key(camera)`` (B,) marks: image all -1, mask False (nothing attends to its
+    tokens). Without the key: unchanged."""
+    is_empty = batch.get(empty_camera_key(camera))
+    if is_empty is None:
+        return image, mask
+    is_empty = is_empty.to(device=image.device, dtype=torch.bool)
+    return image.masked_fill(is_empty.view(-1, *[1] * (image.ndim - 1)), -1.0), mask & ~is_empty
+
+
+def zero_padded_action_dims(batch: dict[str, Tensor], actions: Tensor) -> Tensor:
+    """The action chunk (B, T, D) with the dimensions the batch's ``ACTION_DIM_PAD_KEY`` (B, D) marks set to 0, as
+    the dimensions past the action feature are (:func:`pad_vector`): the noisy actions the model reads carry nothing
+    of a padded target. Without the key: unchanged."""
+    dim_is_pad = batch.get(ACTION_DIM_PAD_KEY)
+    if dim_is_pad is None:
+        return actions
+    return actions.masked_fill(dim_is_pad[:, None, :], 0.0)
+
+
+def reduce_action_losses(batch: dict[str, Tensor], losses: Tensor, reduction: str, *, mask_steps: bool) -> Tensor:
+    """The training loss from the elementwise losses (B, T, D) of the action feature's dims: their mean over the
+    real entries, the whole batch's (``reduction="mean"``, a scalar) or each sample's (``"none"``, (B,)).
+
+    Padded entries count in neither the sum nor the count: the dimensions the batch's ``ACTION_DIM_PAD_KEY`` (B, D)
+    marks, and with ``mask_steps`` (SmolVLA, as LeRobot) the chunk steps past the episode end (``action_is_pad``
+    (B, T)); pi0 and pi0.5 count every step, as LeRobot's. Without either mask: the plain mean. An entry's weight is
+    the same in every sample, so a sample whose robot has fewer action dims weighs less in the batch's mean."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    step_is_pad = batch.get("action_is_pad") if mask_steps else None
+    dim_is_pad = batch.get(ACTION_DIM_PAD_KEY)
+    if step_is_pad is None and dim_is_pad is None:
+        return losses.mean() if reduction == "mean" else losses.mean(dim=(1, 2))
+    valid = torch.ones((1, 1, 1), dtype=torch.bool, device=losses.device)
+    if step_is_pad is not None:
+        valid = valid & ~step_is_pad[:, :, None]
+    if dim_is_pad is not None:
+        valid = valid & ~dim_is_pad[:, None, :]
+    losses = losses * valid
+    count = valid.expand_as(losses)
+    if reduction == "none":
+        return losses.sum(dim=(1, 2)) / count.sum(dim=(1, 2)).clamp_min(1)
+    return losses.sum() / count.sum().clamp_min(1)
