@@ -136,10 +136,8 @@ def source_affine(preprocessor: PolicyProcessorPipeline, source_stats: StatsLike
 
 
 def _with_source_stats(pipeline: PolicyProcessorPipeline, step_class: type[NormalizerStep] | type[UnnormalizerStep],
-                       source_stats: StatsLike) -> PolicyProcessorPipeline:
+                       source_stats: StatsLike, vectors: dict[str, int]) -> PolicyProcessorPipeline:
     step = pipeline.step(step_class)
-    vectors = {key: int(spec["shape"][0]) for key, spec in step.features.items()
-               if spec["type"] != FeatureType.VISUAL.value}
     own = {key: source_stats[key] if key in source_stats else  # a feature the source lacks: all padding
            {**{name: np.zeros(0, np.float32) for name in step.stats.get(key, {}) if name != "count"},
             "count": np.zeros(1, np.float32)} for key in vectors}
@@ -158,8 +156,10 @@ def source_processors(preprocessor: PolicyProcessorPipeline, postprocessor: Poli
     (un)normaliser's statistics of every non-camera feature replaced by ``source_stats``' padded to the policy's
     lengths (:func:`lerobot_mg.data.stats.pad_stats`: the padded dimensions pass unchanged, so a robot's vector
     zero-padded to the policy's length is normalised as in training); the camera statistics stay the run's."""
-    return (_with_source_stats(preprocessor, NormalizerStep, source_stats),
-            _with_source_stats(postprocessor, UnnormalizerStep, source_stats))
+    vectors = {key: int(spec["shape"][0]) for key, spec in preprocessor.step(NormalizerStep).features.items()
+               if spec["type"] != FeatureType.VISUAL.value}  # the same statistics in both files
+    return (_with_source_stats(preprocessor, NormalizerStep, source_stats, vectors),
+            _with_source_stats(postprocessor, UnnormalizerStep, source_stats, vectors))
 
 
 def source_file_stem(pipeline_name: str, source: str) -> str:

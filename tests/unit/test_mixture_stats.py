@@ -241,6 +241,8 @@ def test_per_source_processor_files_hold_the_sources_statistics(tmp_path: Path) 
         for name in ("mean", "std"):
             torch.testing.assert_close(step.stats["action"][name], torch.tensor(padded["action"][name],
                                                                                  dtype=torch.float32))
+        torch.testing.assert_close(step.stats["observation.state"]["std"],
+                                   torch.tensor(padded["observation.state"]["std"], dtype=torch.float32))
         torch.testing.assert_close(step.stats[CAMERA]["std"], pre.step(NormalizerStep).stats[CAMERA]["std"])
     torch.testing.assert_close(default_pre.step(NormalizerStep).stats["action"]["mean"],
                                pre.step(NormalizerStep).stats["action"]["mean"])
