@@ -261,3 +261,17 @@ def test_a_pipeline_file_stem_is_one_file_name(tmp_path: Path) -> None:
     pre, _, _ = mixture("MEAN_STD")
     with pytest.raises(ValueError, match="not a file name"):
         pre.save_pretrained(tmp_path, "../policy_preprocessor_x")
+
+
+def test_an_observation_the_normaliser_leaves_is_left_on_the_sources_dims() -> None:
+    """A saved LeRobot normaliser may normalise only some observations (``normalize_observation_keys``): the state
+    it leaves stays the source's own values, per source as well, and its padded dims are 0."""
+    pre, _, sources = mixture("MEAN_STD")
+    step = pre.step(NormalizerStep)
+    step.normalize_observation_keys = [CAMERA]
+    b = sources[1]
+    item = sample(np.random.default_rng(5), b, 3)
+    got = step(source_affine(pre, b, per_source=True).apply(item))
+    torch.testing.assert_close(got["observation.state"], torch.nn.functional.pad(item["observation.state"], (0, 2)))
+    torch.testing.assert_close(got["action"][..., :3], source_normaliser(pre, b, 3)(item)["action"], atol=1e-5,
+                               rtol=1e-5)
