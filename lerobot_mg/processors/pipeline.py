@@ -86,10 +86,17 @@ class PolicyProcessorPipeline:
             raise LookupError(f"{self.name} has {len(found)} {step_class.registry_name} steps, not one")
         return found[0]
 
-    def state_file_name(self, index: int, step: ProcessorStep) -> str:
-        return f"{self.name}_step_{index}_{step.registry_name}.safetensors"
+    def state_file_name(self, index: int, step: ProcessorStep, stem: str | None = None) -> str:
+        return f"{stem or self.name}_step_{index}_{step.registry_name}.safetensors"
 
-    def save_pretrained(self, directory: Path) -> None:
+    def save_pretrained(self, directory: Path, stem: str | None = None) -> None:
+        """Write ``<stem>.json`` and its state files into ``directory``; ``stem`` defaults to the pipeline's name. A
+        different stem (``policy_preprocessor_<source>``) writes a second pipeline beside the default pair: it loads
+        with ``from_pretrained(directory, stem)`` here and LeRobot's ``from_pretrained(directory,
+        config_filename="<stem>.json")``, and its ``name`` inside stays the pipeline's."""
+        stem = stem or self.name
+        if Path(stem).name != stem or stem in (".", ".."):
+            raise ValueError(f"{stem!r} is not a file name")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         step_entries = []
@@ -97,12 +104,12 @@ class PolicyProcessorPipeline:
             entry: dict[str, Any] = {"registry_name": step.registry_name, "config": step.get_config()}
             state = step.state_dict()
             if state:
-                entry["state_file"] = self.state_file_name(index, step)
+                entry["state_file"] = self.state_file_name(index, step, stem)
                 tensors = {key: tensor.detach().cpu().contiguous() for key, tensor in state.items()}
                 save_file(tensors, str(directory / entry["state_file"]))
             step_entries.append(entry)
         manifest = {"name": self.name, "steps": step_entries}
-        (directory / f"{self.name}.json").write_text(json.dumps(manifest, indent=2))
+        (directory / f"{stem}.json").write_text(json.dumps(manifest, indent=2))
 
     @classmethod
     def from_pretrained(cls, directory: Path, name: str) -> PolicyProcessorPipeline:
