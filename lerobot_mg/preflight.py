@@ -295,9 +295,7 @@ def open_training_data(cfg: TrainConfig, meta: DatasetMeta | MixturePlan, split:
                         len(cleaned.unused), days, len(cleaned.abandoned))
     keys = [*policy.input_features, *policy.output_features]
     if isinstance(meta, MixturePlan):
-        mixture = MixtureDataset(meta, functools.partial(delta_timestamps, cfg.policy, meta.features), keys)
-        _normalise_mixture(mixture)
-        return mixture
+        return MixtureDataset(meta, functools.partial(delta_timestamps, cfg.policy, meta.features), keys)
     deltas = delta_timestamps(cfg.policy, meta.features, meta.fps)
     if split.val:
         LeRobotDataset(meta, deltas, split.val, keys=keys, uint8_visuals=True)
@@ -310,17 +308,3 @@ def meta_policy(cfg: TrainConfig, meta: DatasetMeta) -> nn.Module:
     with torch.device("meta"):
         return build_policy(cfg, meta.features, weights=False)
 
-
-def _normalise_mixture(mixture: MixtureDataset) -> None:  # placeholder until processors.mixture lands
-    stats = {}
-    for source, dataset in zip(mixture.plan.sources, mixture.datasets):
-        for key, value in dataset.stats.items():
-            name = source.rename.get(key, key)
-            if name in stats:
-                continue
-            if name in mixture.plan.padded:
-                length = int(mixture.features[name]["shape"][0])
-                value = {k: torch.nn.functional.pad(v, (0, length - v.shape[-1])) if v.ndim else v
-                         for k, v in value.items()}
-            stats[name] = value
-    mixture.stats = stats

@@ -18,6 +18,7 @@ from lerobot_mg.checkpoint.state import write_json
 from lerobot_mg.config.loading import DERIVED_KEY, train_config_to_dict
 from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.data.loader import endless_batches
+from lerobot_mg.data.mixture import MixtureDataset, MixtureSampler
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.distributed.accelerator import (
     build_accelerator,
@@ -40,6 +41,7 @@ from lerobot_mg.peft.build import build_policy, describe_finetune, processors_di
 from lerobot_mg.peft.lora import AdapterWeights
 from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
+from lerobot_mg.processors.mixture import normalise_sources
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
 from lerobot_mg.step import make_ema
 from lerobot_mg.tracking import RunTracker, log_resume, print_banner
@@ -81,12 +83,16 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
     dataset = checked.train_data  # opened by the preflight, which built its dataset cache before any process group
     assert dataset is not None
-    sampler = ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
-                                     cache_dir=dataset.cache_dir)
+    mixture = dataset if isinstance(dataset, MixtureDataset) else None
+    sampler = (MixtureSampler(mixture, cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size) if mixture else
+               ResumableBatchSampler(len(dataset), cfg.batch_size, cfg.seed, dims.rank, dims.dp_world_size,
+                                     cache_dir=dataset.cache_dir))
     saved_processors = processors_dir(cfg, None if resume is None else resume.step_dir)  # the resumed run's or base's
     preprocessor, postprocessor = processors_for(cfg.policy, policy, dataset.stats, saved_processors,
                                                  camera_keys(meta.features) if cfg.dataset.use_imagenet_stats else (),
                                                  saved_stats=resume is not None or cfg.dataset.use_base_stats)
+    # A mixture: each source's map into the normaliser's statistics (dataset.stats), and per source its own files.
+    source_processors = normalise_sources(mixture, preprocessor, postprocessor, cfg.dataset.stats) if mixture else {}
     preprocessor = preprocessor.to(accelerator.device)
     # Before the optimizer exists: it must see the sharded parameters of the wrap units.
     prepare_units(accelerator, policy, cfg.accelerator, dims)  # collective: checkpointing, compile, sharding
@@ -104,7 +110,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         rank_bytes=gather_rank_bytes(policy),  # collective: every rank's parameter bytes
         resumed=None if resume is None else (resume.step_dir, resume.facts),
         resume_cause=sweep_job.resume_cause if sweep_job is not None else ResumeCause.REQUESTED,
-        dataset_source=asdict(checked.dataset_source))
+        dataset_source=None if checked.dataset_source is None else asdict(checked.dataset_source),
+        mixture=mixture and mixture.facts())
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: asdict(facts)}
     if dims.is_main_process:
         save_run_configs(output_dir, train_config, composed, resumed=resume is not None)
@@ -128,7 +135,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     stepper = stepper_type(dims.rank)(accelerator, model, optimizer, scheduler, preprocessor,
                                       cfg.optimizer.grad_clip_norm, dims, uint8_keys=dataset.visual_keys, ema=ema)
     batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
-    save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config)
+    save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config,
+                           source_processors)
     evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta,
                           checked.split.val, output_dir, record=tracker.evaluated, ema=ema)
 
@@ -136,6 +144,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         waited_from = time.perf_counter()
         batch = next(batches)
         data_wait_s = time.perf_counter() - waited_from
+        if mixture is not None and dims.is_main_process:  # what the global batch drew, per source, for the ledger
+            tracker.drawn(*mixture.locate(sampler.global_window()))
         sampler.advance()
         tracker.step_done(stepper.step(batch), batch["index"], data_wait_s)  # collective on log steps
         checkpoints.poll()  # a background save whose files are all written becomes `last`

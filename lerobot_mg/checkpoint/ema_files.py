@@ -29,6 +29,7 @@ from lerobot_mg.checkpoint.formats import AdapterFiles, CheckpointFiles, LargeWr
 from lerobot_mg.checkpoint.state import read_json, write_json
 from lerobot_mg.ema import ModelEMA
 from lerobot_mg.errors import ConfigError
+from lerobot_mg.processors.mixture import save_source_processors
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +78,17 @@ class EMAFiles:
                 policy.write_config(ema_dir)
         return large
 
-    def write_small(self, step_dir: Path, train_config: dict[str, Any], preprocessor: Any, postprocessor: Any) -> None:
-        """Main process: the files of ``pretrained_model_ema/`` besides the weights, and ``ema_state.json``."""
+    def write_small(self, step_dir: Path, train_config: dict[str, Any], preprocessor: Any, postprocessor: Any,
+                    source_processors: dict[str, tuple[Any, Any]] | None = None) -> None:
+        """Main process: the files of ``pretrained_model_ema/`` besides the weights (each source's processors too,
+        for a mixture normalised per source), and ``ema_state.json``."""
         ema_dir = step_dir / L.PRETRAINED_MODEL_EMA_DIR
         write_json(ema_dir / L.TRAIN_CONFIG_JSON, train_config)
         for processor in (preprocessor, postprocessor):
             if processor is not None:
                 processor.save_pretrained(ema_dir)
+        for source, pipelines in (source_processors or {}).items():
+            save_source_processors(ema_dir, source, pipelines)
         write_json(step_dir / L.TRAINING_STATE_DIR / L.EMA_STATE, self.ema.state())
 
     def load(self, step_dir: Path) -> None:

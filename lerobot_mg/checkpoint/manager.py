@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -46,6 +46,7 @@ from lerobot_mg.checkpoint.state import (
 from lerobot_mg.config.choices import BestMetric, CheckpointFormat
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.ema import ModelEMA
+from lerobot_mg.processors.mixture import save_source_processors
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class SaveItems:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     scaler: torch.amp.GradScaler | None
     train_config: dict[str, Any]
+    # dataset.stats=per_source: each source's (preprocessor, postprocessor) by source name, written beside the
+    # default pair (lerobot_mg.processors.mixture.save_source_processors)
+    source_processors: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def _barrier(dims: ParallelDims) -> None:
@@ -210,12 +214,15 @@ class CheckpointManager:
                     items.preprocessor.save_pretrained(pretrained)
                 if items.postprocessor is not None:
                     items.postprocessor.save_pretrained(pretrained)
+                for source, pipelines in items.source_processors.items():
+                    save_source_processors(pretrained, source, pipelines)
                 if items.scheduler is not None:
                     write_json(training_state / L.SCHEDULER_STATE, scheduler_state_to_json(items.scheduler.state_dict()))
                 if items.scaler is not None:
                     write_json(training_state / L.SCALER_STATE, items.scaler.state_dict())
                 if self._ema is not None:
-                    self._ema.write_small(tmp, items.train_config, items.preprocessor, items.postprocessor)
+                    self._ema.write_small(tmp, items.train_config, items.preprocessor, items.postprocessor,
+                                          items.source_processors)
 
         if self._writer is None:
             _barrier(dims)  # every shard is on disk before the marker

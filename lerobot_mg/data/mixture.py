@@ -38,6 +38,7 @@ from lerobot_mg.data import cache
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.data.meta import DEFAULT_FEATURES, DatasetMeta
 from lerobot_mg.data.sampler import ResumableBatchSampler
+from lerobot_mg.data.stats import aggregate_stats
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import ACTION_DIM_PAD_KEY, SOURCE_INDEX_KEY, empty_camera_key
 
@@ -223,8 +224,9 @@ def _pad_last(values: torch.Tensor, length: int) -> torch.Tensor:
 class MixtureDataset(torch.utils.data.Dataset):
     """The frames of every source, one after the other (source ``s`` holds global indices ``offset[s]`` up to
     ``offset[s] + len(source)``), each item in the mixture's features (see the module docstring), with its global
-    ``index`` and :data:`SOURCE_INDEX_KEY`. ``transforms[s]`` (optional) maps source ``s``'s padded item before it is
-    returned: the normalisation affine of ``lerobot_mg.processors.mixture``."""
+    ``index`` and :data:`SOURCE_INDEX_KEY`. ``stats``: the sources' merged statistics, for the normaliser;
+    ``transforms[s]`` (set by the start once the normaliser exists) maps source ``s``'s padded item before it is
+    returned: its normalisation map of ``lerobot_mg.processors.mixture``."""
 
     def __init__(self, plan: MixturePlan, delta_timestamps: Callable[[int], dict[str, list[float]]],
                  keys: Collection[str], uint8_visuals: bool = True,
@@ -250,7 +252,13 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.weights = np.array([s.weight for s in plan.sources], dtype=np.float64)
         self.visual_keys = [k for k in self.keys if plan.features[k]["dtype"] in _VISUAL]
         self.uint8_visuals = uint8_visuals
-        self.stats: dict[str, dict[str, torch.Tensor]] = {}  # the normaliser's, set by the start (merged)
+        # Each source's statistics of the features read, under the mixture's names; the normaliser's are their merge
+        # (LeRobot's aggregate_stats, a shorter vector's dimensions merged over the sources that have them).
+        self.source_stats = [{source.rename.get(key, key): value for key, value in dataset.stats.items()
+                              if source.rename.get(key, key) in self.keys}
+                             for source, dataset in zip(plan.sources, self.datasets)]
+        self.stats = {key: {name: torch.as_tensor(value, dtype=torch.float32) for name, value in per_key.items()}
+                      for key, per_key in aggregate_stats(self.source_stats).items()}
         self.cache_dir = cache.cache_root(f"mixture-{plan.fingerprint()}")
 
     def __len__(self) -> int:

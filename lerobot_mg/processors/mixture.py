@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lerobot_mg.config.choices import FeatureType, NormalizationMode
+from lerobot_mg.config.choices import FeatureType, MixtureStats, NormalizationMode
+from lerobot_mg.data.mixture import MixtureDataset
 from lerobot_mg.data.stats import StatsLike, pad_stats
 from lerobot_mg.processors.normalize import STATS_PER_MODE, NormalizerStep, UnnormalizerStep
 from lerobot_mg.processors.pipeline import PIPELINE_NAMES, PolicyProcessorPipeline
@@ -182,3 +183,18 @@ def load_source_processors(directory: Path, source: str) -> tuple[PolicyProcesso
     pre, post = (PolicyProcessorPipeline.from_pretrained(directory, source_file_stem(name, source))
                  for name in PIPELINE_NAMES)
     return pre, post
+
+
+def normalise_sources(mixture: MixtureDataset, preprocessor: PolicyProcessorPipeline,
+                      postprocessor: PolicyProcessorPipeline, mode: MixtureStats,
+                      ) -> dict[str, tuple[PolicyProcessorPipeline, PolicyProcessorPipeline]]:
+    """Give each source of ``mixture`` its map into the run's normaliser (``preprocessor``, on the CPU: the merged
+    statistics) for ``dataset.stats=mode``; returns, for ``per_source``, each source's pipelines by name (the files a
+    checkpoint holds beside the default pair), else none."""
+    per_source = mode is MixtureStats.per_source
+    mixture.transforms = [source_affine(preprocessor, stats, per_source=per_source).apply
+                          for stats in mixture.source_stats]
+    if not per_source:
+        return {}
+    return {source.name: source_processors(preprocessor, postprocessor, stats)
+            for source, stats in zip(mixture.plan.sources, mixture.source_stats)}
