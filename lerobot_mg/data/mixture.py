@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from lerobot_mg.data import cache
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
-from lerobot_mg.data.meta import DEFAULT_FEATURES, DatasetMeta
+from lerobot_mg.data.meta import DEFAULT_FEATURES, STATS_PATH, DatasetMeta
 from lerobot_mg.data.sampler import ResumableBatchSampler
 from lerobot_mg.data.stats import aggregate_stats
 from lerobot_mg.errors import ConfigError, config_error
@@ -257,6 +257,14 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.source_stats = [{source.rename.get(key, key): value for key, value in dataset.stats.items()
                               if source.rename.get(key, key) in self.keys}
                              for source, dataset in zip(plan.sources, self.datasets)]
+        for position, (source, stats) in enumerate(zip(plan.sources, self.source_stats)):
+            for key in [k for k in self.keys if self.features[k]["dtype"] not in _VISUAL and k in source.features]:
+                if key not in stats or np.shape(stats[key].get("mean", []))[-1:] != tuple(source.features[key]["shape"]):
+                    raise config_error(f"dataset.sources.{position}", source.name,
+                                       f"has no statistics of {key} in {source.meta.root / STATS_PATH} (or of another "
+                                       "size than the feature), and each source's samples are normalised with them",
+                                       "compute the dataset's statistics (LeRobot writes meta/stats.json when it "
+                                       "records or edits a dataset)")
         self.stats = {key: {name: torch.as_tensor(value, dtype=torch.float32) for name, value in per_key.items()}
                       for key, per_key in aggregate_stats(self.source_stats).items()}
         self.cache_dir = cache.cache_root(f"mixture-{plan.fingerprint()}")
