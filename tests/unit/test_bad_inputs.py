@@ -43,6 +43,7 @@ from lerobot_mg.errors import ConfigError
 from lerobot_mg.preflight import preflight
 from lerobot_mg.run_facts import Progress
 from tests.launch_utils import PUSHT_SLICE, PYTHON, REPO, TRAIN_SCRIPT, clean_env, free_port, kill_tree
+from tests.vla_preset_aids import write_vla_dataset
 
 VALID = ["experiment=pusht_debug", f"dataset.root={PUSHT_SLICE}"]
 SHARDED = [*VALID, "parallelism=fsdp"]  # on 2 processes
@@ -130,6 +131,32 @@ def _train_config_with_a_missing_value(tmp: Path) -> None:
 def _non_empty_output_dir(tmp: Path) -> None:
     (tmp / "out").mkdir()
     (tmp / "out" / "ledger.jsonl").write_text("")
+
+
+def _v31_dataset(tmp: Path) -> None:
+    """The PushT slice's metadata as a LeRobot v3.1 dataset (all a start reads before it refuses the mixture)."""
+    shutil.copytree(PUSHT_SLICE / "meta", tmp / "v31" / "meta")
+    info = json.loads((tmp / "v31" / "meta" / "info.json").read_text())
+    (tmp / "v31" / "meta" / "info.json").write_text(json.dumps({**info, "codebase_version": "v3.1"}))
+
+
+def _aloha_like_dataset(tmp: Path) -> None:
+    """A second robot: 14-dim state and action, a top camera, 50 fps, two episodes of 12 frames."""
+    write_vla_dataset(tmp / "aloha")
+
+
+# dataset=mixture rows: the PushT slice split into two sources by episode (two sources of one robot), typed as the
+# list override a user types on the command line; the policy is the default (ACT, which reads every observation).
+MIXTURE = "dataset=mixture"
+
+
+def _sources(*sources: str) -> str:
+    return f"dataset.sources=[{', '.join(sources)}]"
+
+
+PUSHT_01 = f"{{root: {PUSHT_SLICE}, episodes: [0, 1]}}"
+PUSHT_2 = f"{{root: {PUSHT_SLICE}, episodes: [2]}}"
+TWO_SOURCES = _sources(PUSHT_01, PUSHT_2)
 
 
 CONFIG = "config_path=<run>/checkpoints/last/pretrained_model/train_config.json"
@@ -328,6 +355,93 @@ CATALOGUE = [
              "of a missing value, which no saved config holds",
              "a config file written by lerobot_mg or LeRobot 0.6.1 (or give the field a value)",
              make=_train_config_with_a_missing_value),
+    # --- dataset=mixture -------------------------------------------------------------------------------------
+    BadInput("mixture_without_sources", [MIXTURE],
+             "dataset.sources=None: dataset=mixture draws from a list of datasets, and none is given",
+             "'dataset.sources=[{root: /data/a, weight: 0.7}, {repo_id: user/b, weight: 0.3}]'"),
+    BadInput("mixture_source_with_root_and_repo_id", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, repo_id: lerobot/pusht}}")],
+             f"dataset.sources.0={{'root': '{PUSHT_SLICE}', 'repo_id': 'lerobot/pusht'}}: names a dataset by exactly "
+             "one of root and repo_id",
+             "dataset.sources.0.root=<dir>, or dataset.sources.0.repo_id=<user>/<name>"),
+    BadInput("mixture_source_without_root_or_repo_id", [MIXTURE, _sources(PUSHT_01, "{weight: 0.5}")],
+             "dataset.sources.1={'root': None, 'repo_id': None}: names a dataset by exactly one of root and repo_id",
+             "dataset.sources.1.root=<dir>, or dataset.sources.1.repo_id=<user>/<name>"),
+    BadInput("mixture_with_dataset_root", [MIXTURE, f"dataset.root={PUSHT_SLICE}", TWO_SOURCES],
+             f"dataset.root='{PUSHT_SLICE}': is a single dataset's setting; a mixture reads each source's own",
+             "dataset.sources.<i>.root=..., and drop dataset.root"),
+    BadInput("mixture_with_dataset_repo_id", [MIXTURE, "dataset.repo_id=lerobot/pusht", TWO_SOURCES],
+             "dataset.repo_id='lerobot/pusht': is a single dataset's setting; a mixture reads each source's own",
+             "dataset.sources.<i>.repo_id=..., and drop dataset.repo_id"),
+    BadInput("mixture_with_dataset_episodes", [MIXTURE, "dataset.episodes=[0]", TWO_SOURCES],
+             "dataset.episodes=[0]: is a single dataset's setting; a mixture reads each source's own",
+             "dataset.sources.<i>.episodes=..., and drop dataset.episodes"),
+    BadInput("mixture_with_val_episodes", [MIXTURE, "dataset.val_episodes=1", TWO_SOURCES],
+             "dataset.val_episodes=1: holds episodes out of one dataset; a mixture's validation split is not supported",
+             "drop dataset.val_episodes (hold episodes out with dataset.sources.<i>.episodes"),
+    BadInput("mixture_weight_negative",
+             [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, episodes: [0, 1], weight: 0.7}}",
+                                f"{{root: {PUSHT_SLICE}, episodes: [2], weight: -0.3}}")],
+             "dataset.sources.1.weight=-0.3: must be a finite number >= 0",
+             "dataset.sources.1.weight=<a probability, e.g. 0.5>"),
+    BadInput("mixture_weight_not_a_number", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, weight: nan}}")],
+             "dataset.sources.0.weight=nan: must be a finite number >= 0",
+             "dataset.sources.0.weight=<a probability, e.g. 0.5>"),
+    BadInput("mixture_weights_all_zero",
+             [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, episodes: [0, 1], weight: 0}}",
+                                f"{{root: {PUSHT_SLICE}, episodes: [2], weight: 0}}")],
+             "dataset.sources=['weight=0.0', 'weight=0.0']: weights are all zero: nothing would ever be drawn",
+             "give at least one source a positive weight"),
+    BadInput("mixture_weights_given_to_some_sources",
+             [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, episodes: [0, 1], weight: 0.7}}", PUSHT_2)],
+             "dataset.sources=['weight=0.7', 'weight=None']: gives some sources a weight and others none",
+             "a weight for every source, or none (each source's share of the frames)"),
+    BadInput("mixture_duplicate_source", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}}}", f"{{root: {PUSHT_SLICE}/}}")],
+             f"dataset.sources.1='{PUSHT_SLICE}/': is the same dataset and episodes as dataset.sources.0: it would "
+             "only double that source's weight", "drop one of them, or raise dataset.sources.0.weight"),
+    BadInput("mixture_source_of_another_version", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}}}", "{root: <tmp>/v31}")],
+             "dataset.sources.1='<tmp>/v31': is a LeRobot v3.1 dataset, dataset.sources.0 a v3.0 one",
+             "convert the older one with LeRobot's conversion script, or drop it", make=_v31_dataset),
+    BadInput("mixture_rename_of_an_unknown_key",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2], "
+                                          "rename_map: {observation.images.wrist: observation.image}}")],
+             "dataset.sources.1.rename_map={'observation.images.wrist': 'observation.image'}: renames "
+             f"['observation.images.wrist'], which {PUSHT_SLICE} does not have (its features: ['action', "
+             "'next.done', 'next.reward', 'next.success', 'observation.image', 'observation.state'])",
+             "dataset.sources.1.rename_map={<a feature of the source>: <the policy's name>}"),
+    BadInput("mixture_rename_collision",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2], "
+                                          "rename_map: {observation.image: observation.state}}")],
+             "dataset.sources.1.rename_map={'observation.image': 'observation.state'}: maps two features of "
+             f"{PUSHT_SLICE} onto ['observation.state']",
+             "dataset.sources.1.rename_map with a distinct name per feature"),
+    BadInput("mixture_rename_of_an_index_feature",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2], rename_map: {{index: step}}}}")],
+             "dataset.sources.1.rename_map={'index': 'step'}: renames the index features ['index']",
+             "dataset.sources.1.rename_map without ['index']"),
+    BadInput("mixture_feature_an_image_in_one_source_and_numbers_in_another",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2], rename_map: "
+                                          "{observation.state: observation.image, observation.image: observation.images.top}}")],
+             "dataset.sources.1='pusht_image_slice_1': holds observation.image as float32, another source as image",
+             "dataset.sources.1.rename_map={observation.state: <another name>}"),
+    BadInput("mixture_act_without_a_camera_in_one_source",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2], "
+                                          "rename_map: {observation.image: observation.images.top}}")],
+             "dataset.sources.0='pusht_image_slice': has no observation.images.top, which policy.type=act reads and "
+             "cannot do without",
+             "dataset.sources.0.rename_map={<its name for it>: observation.images.top}, policy.observation_keys "
+             "without it, or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)"),
+    BadInput("mixture_act_with_another_state_size",
+             [MIXTURE, "policy.observation_keys=[observation.state]", "policy.chunk_size=4", "policy.n_action_steps=4",
+              _sources("{root: <tmp>/aloha}", f"{{root: {PUSHT_SLICE}}}")],
+             "dataset.sources.1='pusht_image_slice': holds observation.state of shape [2], another source [14]; "
+             "policy.type=act cannot pad it",
+             "dataset.sources.1.rename_map={<its name for it>: observation.state}, policy.observation_keys without "
+             "it, or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)", make=_aloha_like_dataset),
+    BadInput("mixture_stats_unknown", [MIXTURE, "dataset.stats=pooled", TWO_SOURCES],
+             "dataset.stats='pooled': must be one of merged, per_source", "dataset.stats=merged"),
+    BadInput("mixture_smaller_than_a_global_batch", [MIXTURE, "batch_size=300", TWO_SOURCES],
+             "batch_size=300: one global batch (batch_size x 2 data-parallel ranks = 600 samples) is larger than the "
+             "420 samples of the mixture", "batch_size=210, or fewer processes", world_size=2),
 ]
 
 
@@ -848,9 +962,10 @@ def _accelerate_launch(*options: str) -> list[str]:
             str(TRAIN_SCRIPT)]
 
 
-# (id, command before the overrides, extra overrides, environment, files to write: name -> text). Three rows through
-# scripts/train.py itself (a refusal by validate, a preset name and a wrong word refused before Hydra composes), and the two
-# sources of accelerate variables that only exist under `accelerate launch`: its config file and its default config.
+# (id, command before the overrides, extra overrides, environment, files to write: name -> text). Four rows through
+# scripts/train.py itself (a refusal by validate, a preset name and a wrong word refused before Hydra composes, a
+# dataset mixture's weight refused by the dataset checks), and the two sources of accelerate variables that only exist
+# under `accelerate launch`: its config file and its default config.
 COMMAND_ROWS = [
     ("steps_negative", [PYTHON, str(TRAIN_SCRIPT)], ["steps=-100"], {}, {}),
     ("unknown_experiment", [PYTHON, str(TRAIN_SCRIPT)], ["experiment=pusht_debg"], {}, {}),
@@ -859,6 +974,10 @@ COMMAND_ROWS = [
      {"accelerate.yaml": ACCELERATE_CONFIG}),
     ("accelerate_default_config", _accelerate_launch(), [], {"HF_HOME": "<tmp>/hf"},
      {"hf/accelerate/default_config.yaml": ACCELERATE_CONFIG}),
+    # A mixture typed as the list override a user types (one argument), the debug run's dataset.root dropped.
+    ("mixture_weight_negative", [PYTHON, str(TRAIN_SCRIPT)],
+     [MIXTURE, "dataset.root=null", _sources(f"{{root: {PUSHT_SLICE}, weight: 0.7}}",
+                                             f"{{root: {PUSHT_SLICE}, episodes: [2], weight: -0.3}}")], {}, {}),
 ]
 # The start of the one line each prints (the message after "lerobot-mg-train: error: ").
 COMMAND_LINES = {
@@ -868,6 +987,8 @@ COMMAND_LINES = {
                                 "checkpoint.format=dcp",
     "accelerate_config_file": "ACCELERATE_MIXED_PRECISION=bf16 ACCELERATE_USE_CPU=True: accelerate configuration",
     "accelerate_default_config": "ACCELERATE_MIXED_PRECISION=bf16 ACCELERATE_USE_CPU=True: accelerate configuration",
+    "mixture_weight_negative": "dataset.sources.1.weight=-0.3: must be a finite number >= 0. Fix: "
+                               "dataset.sources.1.weight=<a probability, e.g. 0.5>",
 }
 
 
