@@ -105,7 +105,7 @@ def _check_weights(weights: list[float | None], frames: list[int]) -> list[float
     resolved = [float(w) for w in weights] if given else [float(n) for n in frames]
     if sum(resolved) <= 0:
         raise config_error("dataset.sources", [f"weight={w}" for w in weights], "weights are all zero: nothing would "
-                           "ever be drawn", "give at least one source a positive weight")
+                           "ever be drawn", "dataset.sources.0.weight=1 (any positive weight)")
     return [w / sum(resolved) for w in resolved]
 
 
@@ -165,17 +165,22 @@ def plan_mixture(dataset_cfg: Any, metas: Sequence[DatasetMeta], policy_cfg: Any
     weights = _check_weights([s.weight for s in sources_cfg],
                              [sum(meta.lengths(s.episodes).values()) for s, meta in zip(sources_cfg, metas)])
     names: list[str] = []
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[str, list[tuple[int, set[int]]]] = {}  # resolved root -> (position, episodes) of the sources read there
     version = str(metas[0].info.get("codebase_version"))
     plans = []
     for position, (source, meta) in enumerate(zip(sources_cfg, metas)):
         key = f"dataset.sources.{position}"
-        same = (str(Path(meta.root).resolve()), json.dumps(source.episodes))
-        if same in seen:
-            raise config_error(key, source.repo_id or source.root, f"is the same dataset and episodes as "
-                               f"dataset.sources.{seen[same]}: it would only double that source's weight",
-                               f"drop one of them, or raise dataset.sources.{seen[same]}.weight")
-        seen[same] = position
+        episodes = set(meta.lengths(source.episodes))
+        for other, other_episodes in seen.setdefault(str(Path(meta.root).resolve()), []):
+            shared = sorted(episodes & other_episodes)
+            if shared:
+                raise config_error(
+                    key, source.repo_id or source.root,
+                    f"is the same dataset as dataset.sources.{other} and shares its episodes {shared[:10]}"
+                    f"{' ...' if len(shared) > 10 else ''}: they would be drawn at both sources' weights",
+                    f"dataset.sources.{position}.episodes=<episodes dataset.sources.{other} does not read>, or drop it "
+                    f"and raise dataset.sources.{other}.weight")
+        seen[str(Path(meta.root).resolve())].append((position, episodes))
         if str(meta.info.get("codebase_version")) != version:
             raise config_error(key, source.repo_id or source.root,
                                f"is a LeRobot {meta.info.get('codebase_version')} dataset, dataset.sources.0 a "
@@ -205,16 +210,19 @@ def _refuse_missing_inputs(plan: MixturePlan, policy_cfg: Any) -> None:
         for position, source in enumerate(plan.sources):
             for key in [*observed, "action"]:
                 spec = source.features.get(key)
-                fix = (f"dataset.sources.{position}.rename_map={{<its name for it>: {key}}}, policy.observation_keys "
-                       "without it, or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)")
+                without = "policy.observation_keys without it, " if key != "action" else ""
                 if missing and spec is None:
                     raise config_error(f"dataset.sources.{position}", source.name, f"has no {key}, which "
-                                       f"policy.type={policy_cfg.type} reads and cannot do without", fix)
+                                       f"policy.type={policy_cfg.type} reads and cannot do without",
+                                       f"dataset.sources.{position}.rename_map={{<its name for it>: {key}}}, {without}"
+                                       "or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)")
                 if (not missing and spec["dtype"] not in _VISUAL
                         and list(spec["shape"]) != list(plan.features[key]["shape"])):
                     raise config_error(f"dataset.sources.{position}", source.name,
                                        f"holds {key} of shape {spec['shape']}, another source "
-                                       f"{plan.features[key]['shape']}; policy.type={policy_cfg.type} cannot pad it", fix)
+                                       f"{plan.features[key]['shape']}; policy.type={policy_cfg.type} cannot pad it",
+                                       f"a policy that pads (policy=pi0, pi05 or smolvla), {without}or drop "
+                                       f"dataset.sources.{position}")
 
 
 def _pad_last(values: torch.Tensor, length: int) -> torch.Tensor:
