@@ -48,6 +48,7 @@ import torch.distributed as dist
 from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, report, run_on_ranks
 from synthetic_dataset import write_state_dataset
 
+from lerobot_mg.config.choices import DatasetName
 from lerobot_mg.config.pi0 import PI0Config
 from lerobot_mg.config.schema import DatasetConfig, SourceConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
@@ -109,7 +110,8 @@ def _open_mixture(roots: list[Path]) -> MixtureDataset:
     its own fps; every source drawn by its share of frames."""
     policy = PI0Config(chunk_size=CHUNK)
     metas = [DatasetMeta.read(root) for root in roots]
-    plan = plan_mixture(DatasetConfig(sources=[SourceConfig(root=str(root)) for root in roots]), metas, policy)
+    sources = [SourceConfig(root=str(root)) for root in roots]
+    plan = plan_mixture(DatasetConfig(name=DatasetName.mixture, sources=sources), metas, policy)
     return MixtureDataset(plan, functools.partial(delta_timestamps, policy, plan.features), KEYS)
 
 
