@@ -35,19 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarking import BENCH_DIR, BenchResult, GoalIs, report
+from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, report
 
 FRAMES_20M = 20_000_000
 BATCH_SIZE = 32
 CHUNK = 50
 FPS = 50
 MIB = 2**20
-
-
-def _private_bytes(pid: int | str = "self") -> dict[str, int]:
-    with open(f"/proc/{pid}/smaps_rollup") as lines:
-        fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    return {name: 1024 * int(fields[name].split()[0]) for name in ("Private_Clean", "Private_Dirty")}
 
 
 def _open(root: Path, rank: int, world_size: int):  # noqa: ANN202 (the dataset and sampler types are imported late)
@@ -65,7 +59,7 @@ def _open(root: Path, rank: int, world_size: int):  # noqa: ANN202 (the dataset 
 def _rank(rank: int, world_size: int, port: int, root: Path, batches: int) -> list[dict[str, float]]:
     import lerobot_mg.data  # noqa: F401 (the empty import the private memory is measured from)
 
-    base = _private_bytes()
+    base = private_memory()
     import torch
     import torch.distributed as dist
 
@@ -82,8 +76,8 @@ def _rank(rank: int, world_size: int, port: int, root: Path, batches: int) -> li
     for _ in range(batches):
         next(iterator)
     items_per_s = batches * BATCH_SIZE / (time.perf_counter() - start)
-    rank_private = _private_bytes()
-    workers = [_private_bytes(worker.pid) for worker in iterator._workers]
+    rank_private = private_memory()
+    workers = [private_memory(worker.pid) for worker in iterator._workers]
     record = {"open_s": open_s, "items_per_s": items_per_s,
               "private": rank_private["Private_Clean"] + rank_private["Private_Dirty"] - base["Private_Clean"]
               - base["Private_Dirty"],

@@ -2,8 +2,8 @@
 written to ``outputs/bench/<script>.json`` as ``{"machine": {...}, "results": [...]}``: the machine the figures were
 measured on (CPU model, usable cores, memory, GPU, operating system, Python, torch and accelerate versions) and a
 list of ``{name, value, goal, unit, goal_is}`` records (``goal`` a bound the value is meant to stay within,
-``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported without a goal); and a launcher
-for measurements on 2 gloo ranks."""
+``goal_is`` which side: ``at_most`` or ``at_least``; both null for a figure reported without a goal); a launcher
+for measurements on 2 gloo ranks; and a process's private memory."""
 
 from __future__ import annotations
 
@@ -107,6 +107,15 @@ def report(bench: str, results: list[BenchResult], directory: Path = BENCH_DIR) 
     path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}", flush=True)
     return path
+
+
+def private_memory(pid: int | str = "self") -> dict[str, int]:
+    """Bytes of ``pid``'s memory no other process maps (``Private_Clean``, ``Private_Dirty`` of
+    ``/proc/<pid>/smaps_rollup``): what the process costs the machine by itself, unlike RSS, which also counts the
+    pages it shares (a memory-mapped dataset cache, the libraries)."""
+    with open(f"/proc/{pid}/smaps_rollup") as lines:
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {name: 1024 * int(fields[name].split()[0]) for name in ("Private_Clean", "Private_Dirty")}
 
 
 def _run_then_release(worker: Callable[..., Any], rank: int, world_size: int, port: int, *args: Any) -> None:
