@@ -136,7 +136,8 @@ def _rank(rank: int, world_size: int, port: int, roots: list[Path], batches: int
     sampler.permutation(0)  # one rank of the machine draws it into the cache, the others wait, then map it
     order_s = time.perf_counter() - start
     ordered = above_base(private_memory())
-    loader = torch.utils.data.DataLoader(mixture, batch_sampler=sampler, num_workers=2, persistent_workers=True)
+    loader = torch.utils.data.DataLoader(mixture, batch_sampler=sampler, num_workers=2, persistent_workers=True,
+                                         collate_fn=mixture.collate)  # as the run's loader (lerobot_mg.data.loader)
     iterator = iter(loader)
     next(iterator)  # the workers have started
     dist.barrier()
@@ -171,16 +172,34 @@ def _through_reader(frame: tuple[LeRobotDataset, int]) -> None:
     dataset[index]
 
 
-def _items_per_cpu_s(read: Callable[[Any], Any], items: list) -> float:
+def _items_per_cpu_s(read: Callable[[Any], Any], units: list, num_items: int) -> float:
+    """``num_items`` per CPU-second of ``read`` over ``units`` (frames, or batches of them)."""
     gc.collect()
     start = time.process_time()
-    for item in items:
-        read(item)
-    return len(items) / (time.process_time() - start)
+    for unit in units:
+        read(unit)
+    return num_items / (time.process_time() - start)
+
+
+def _through_readers(batch: list[tuple[LeRobotDataset, int]]) -> None:
+    """A batch read by the sources' own readers and collated as a single-dataset run collates its batches: each
+    source's items of the batch stacked together (items of different robots cannot share one stack)."""
+    by_source: dict[int, list[Any]] = {}
+    for dataset, index in batch:
+        by_source.setdefault(id(dataset), []).append(dataset[index])
+    for items in by_source.values():
+        torch.utils.data.default_collate(items)
+
+
+def _through_mixture(mixture: MixtureDataset) -> Callable[[list[int]], Any]:
+    """A batch read as the run's DataLoader reads it: its items, then the mixture's collate (padding, masks)."""
+    return lambda batch: mixture.collate([mixture[index] for index in batch])
 
 
 def compare_speed(mixture: MixtureDataset, rounds: int, items: int) -> dict[str, float]:
-    """Random items per second of CPU time, of the mixture and of its sources' own readers on the same frames:
+    """Random items per second of CPU time, of the mixture (in batches of 32 through its collate, which pads and marks
+    them, as the run's DataLoader reads them) and of its sources' own readers on the same frames (each source's items
+    of a batch collated together, as a single-dataset run collates them):
     ``rounds`` blocks of ``items`` consecutive positions of the sampler's epoch order (random frames across the
     sources), each block read once untimed (its pages mapped), then timed through both, the first reader
     alternating; the medians over the rounds. CPU time (one thread) rather than wall time: a machine shared with other
@@ -190,13 +209,15 @@ def compare_speed(mixture: MixtureDataset, rounds: int, items: int) -> dict[str,
     for block in range(rounds):
         indices = order[block * items:(block + 1) * items].tolist()
         frames = reader_frames(mixture, indices)
-        _items_per_cpu_s(_through_reader, frames)
+        batches = [indices[start:start + BATCH_SIZE] for start in range(0, len(indices), BATCH_SIZE)]
+        frame_batches = [frames[start:start + BATCH_SIZE] for start in range(0, len(frames), BATCH_SIZE)]
+        _items_per_cpu_s(_through_reader, frames, len(frames))
         if block % 2:
-            reader_rate = _items_per_cpu_s(_through_reader, frames)
-            mixture_rate = _items_per_cpu_s(mixture.__getitem__, indices)
+            reader_rate = _items_per_cpu_s(_through_readers, frame_batches, len(frames))
+            mixture_rate = _items_per_cpu_s(_through_mixture(mixture), batches, len(indices))
         else:
-            mixture_rate = _items_per_cpu_s(mixture.__getitem__, indices)
-            reader_rate = _items_per_cpu_s(_through_reader, frames)
+            mixture_rate = _items_per_cpu_s(_through_mixture(mixture), batches, len(indices))
+            reader_rate = _items_per_cpu_s(_through_readers, frame_batches, len(frames))
         ratios.append(mixture_rate / reader_rate)
         mixture_rates.append(mixture_rate)
         reader_rates.append(reader_rate)

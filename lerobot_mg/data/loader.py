@@ -77,6 +77,7 @@ def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSa
     """
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        collate_fn=getattr(dataset, "collate", None),  # a mixture pads and normalises its sources per batch
         pin_memory=pin_memory, worker_init_fn=_leave_stop_signals_to_the_trainer,
         generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
     )

@@ -6,8 +6,9 @@ source's ``rename_map``): a state or action vector is as long as the longest sou
 sources' cameras. A policy that cannot take a missing input (``PolicyConfig.pads_missing_inputs`` false: ACT,
 Diffusion) is refused at start-up naming the source and the key; LeRobot's VLAs take them:
 
-- a shorter state or action is padded, and :data:`ACTION_DIM_PAD_KEY` marks the padded action dimensions, which never
-  enter the loss (the padded values come out of the normaliser as 0, see ``lerobot_mg.processors.mixture``);
+- a shorter state or action is padded (per batch, by :meth:`MixtureDataset.collate`, the DataLoader's collate
+  function), and :data:`ACTION_DIM_PAD_KEY` marks the padded action dimensions, which never enter the loss (the padded
+  values come out of the normaliser as 0, see ``lerobot_mg.processors.mixture``);
 - a missing camera is an all-zero image, marked per sample by :func:`empty_camera_key`, which the policy masks out
   as LeRobot's VLAs do an empty camera;
 - a camera whose frames are another size than the mixture's (the first source's that has it) is resized.
@@ -23,6 +24,8 @@ samples, and the resumable sampler's rule for another topology holds unchanged.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import hashlib
 import json
 from collections.abc import Callable, Collection, Sequence
@@ -45,7 +48,6 @@ from lerobot_mg.policies.base import ACTION_DIM_PAD_KEY, SOURCE_INDEX_KEY, empty
 # The 1-D float vectors a shorter source pads: the robot's state and its action.
 PADDED_KEYS = ("observation.state", "action")
 _VISUAL = ("image", "video")
-Transform = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def source_name(repo_id: str | None, root: str | Path) -> str:
@@ -225,20 +227,17 @@ def _refuse_missing_inputs(plan: MixturePlan, policy_cfg: Any) -> None:
                                        f"dataset.sources.{position}")
 
 
-def _pad_last(values: torch.Tensor, length: int) -> torch.Tensor:
-    return F.pad(values, (0, length - values.shape[-1])) if values.shape[-1] < length else values
-
-
 class MixtureDataset(torch.utils.data.Dataset):
     """The frames of every source, one after the other (source ``s`` holds global indices ``offset[s]`` up to
-    ``offset[s] + len(source)``), each item in the mixture's features (see the module docstring), with its global
-    ``index`` and :data:`SOURCE_INDEX_KEY`. ``stats``: the sources' merged statistics, for the normaliser;
-    ``transforms[s]`` (set by the start once the normaliser exists) maps source ``s``'s padded item before it is
-    returned: its normalisation map of ``lerobot_mg.processors.mixture``."""
+    ``offset[s] + len(source)``), in the mixture's feature names, with their global ``index`` and
+    :data:`SOURCE_INDEX_KEY`. An item keeps its source's own state and action length; :meth:`collate` (the
+    DataLoader's ``collate_fn``) pads a batch's to the mixture's in one go, marks the padded action dimensions and
+    maps each sample into the normaliser's statistics with its source's map (:meth:`set_normalisation`, given by the
+    start once the normaliser exists: ``lerobot_mg.processors.mixture``). ``stats``: the sources' merged statistics,
+    for the normaliser."""
 
     def __init__(self, plan: MixturePlan, delta_timestamps: Callable[[int], dict[str, list[float]]],
-                 keys: Collection[str], uint8_visuals: bool = True,
-                 transforms: Sequence[Transform | None] | None = None) -> None:
+                 keys: Collection[str], uint8_visuals: bool = True) -> None:
         self.plan = plan
         self.features = plan.features
         self.fps = plan.fps
@@ -252,14 +251,24 @@ class MixtureDataset(torch.utils.data.Dataset):
             self.datasets.append(LeRobotDataset(source.meta, deltas, source.episodes, keys=own_keys,
                                                 uint8_visuals=uint8_visuals))
         self.deltas = delta_timestamps(plan.fps)
-        self.transforms = list(transforms) if transforms is not None else [None] * len(self.datasets)
         lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+        self._offsets = self.offsets.tolist()  # bisect on a list: a numpy search costs more than it saves per item
+        self._offset_of = torch.from_numpy(self.offsets)
         self.num_frames = int(lengths.sum())
         self.num_episodes = sum(d.num_episodes for d in self.datasets)
         self.weights = np.array([s.weight for s in plan.sources], dtype=np.float64)
         self.visual_keys = [k for k in self.keys if plan.features[k]["dtype"] in _VISUAL]
         self.uint8_visuals = uint8_visuals
+        # Per source: its renames with their _is_pad companions, its position as a tensor, its missing cameras' flags.
+        self._renames = [{**source.rename, **{f"{own}_is_pad": f"{new}_is_pad" for own, new in source.rename.items()}}
+                         for source in plan.sources]
+        self._source_index = [torch.tensor(s, dtype=torch.int64) for s in range(len(plan.sources))]
+        self._pad_keys = [k for k in PADDED_KEYS if k in plan.padded and k in self.keys]
+        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if "action" in self._pad_keys:  # (sources, action dims): True where a source's action has no such dimension
+            own = torch.tensor([int(source.features["action"]["shape"][0]) for source in plan.sources])
+            self._action_dim_pad = torch.arange(int(self.features["action"]["shape"][0]))[None, :] >= own[:, None]
         # Each source's statistics of the features read, under the mixture's names; the normaliser's are their merge
         # (LeRobot's aggregate_stats, a shorter vector's dimensions merged over the sources that have them).
         self.source_stats = [{source.rename.get(key, key): value for key, value in dataset.stats.items()
@@ -276,6 +285,15 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.stats = {key: {name: torch.as_tensor(value, dtype=torch.float32) for name, value in per_key.items()}
                       for key, per_key in aggregate_stats(self.source_stats).items()}
         self.cache_dir = cache.cache_root(f"mixture-{plan.fingerprint()}")
+
+    def set_normalisation(self, maps: Sequence[Any]) -> None:
+        """Each source's map into the normaliser's statistics: per source, an object with ``offset``, ``scale`` and
+        ``shift`` dicts of float32 vectors of the mixture's lengths (``lerobot_mg.processors.mixture.SourceAffine``);
+        :meth:`collate` computes ``(x - offset) * scale + shift`` of each sample with its source's. Set before the
+        DataLoader's workers start."""
+        self._maps = {key: tuple(torch.from_numpy(np.stack([getattr(m, part)[key] for m in maps]))
+                                 for part in ("offset", "scale", "shift"))
+                      for key in maps[0].scale} if maps else {}
 
     def __len__(self) -> int:
         return self.num_frames
@@ -308,28 +326,47 @@ class MixtureDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, Any]:
         if not 0 <= idx < self.num_frames:
             raise IndexError(f"index {idx} is out of range for a mixture of {self.num_frames} frames.")
-        s = int(self.source_of(np.int64(idx)))
-        source = self.plan.sources[s]
-        own = self.datasets[s][idx - int(self.offsets[s])]
-        item: dict[str, Any] = {}
-        for key, value in own.items():
-            base, pad = (key[: -len("_is_pad")], "_is_pad") if key.endswith("_is_pad") else (key, "")
-            item[source.rename.get(base, base) + pad] = value
-        item["index"] = torch.tensor(idx, dtype=torch.int64)
-        item[SOURCE_INDEX_KEY] = torch.tensor(s, dtype=torch.int64)
-        for key in self.plan.padded & set(self.keys):
-            length = int(self.features[key]["shape"][0])
-            if key == "action":
-                item[ACTION_DIM_PAD_KEY] = torch.arange(length) >= item[key].shape[-1]
-            item[key] = _pad_last(item[key], length)
+        s = bisect.bisect_right(self._offsets, idx) - 1
+        item = self.datasets[s][idx - self._offsets[s]]
+        renames = self._renames[s]
+        if renames:
+            item = {renames.get(key, key): value for key, value in item.items()}
+        item[SOURCE_INDEX_KEY] = self._source_index[s]  # collate makes "index" global: one addition per batch
         for key in self.visual_keys:
             if key in self.plan.empty_cameras:
                 item[empty_camera_key(key)] = torch.tensor(key not in item)
             item[key] = self._frames(key, item.get(key))
             if key in self.deltas and f"{key}_is_pad" not in item:
                 item[f"{key}_is_pad"] = torch.zeros(len(self.deltas[key]), dtype=torch.bool)
-        transform = self.transforms[s]
-        return item if transform is None else transform(item)
+        return item
+
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """A batch of items: each padded state and action at the mixture's length (zeros beyond its source's, marked
+        for the action by :data:`ACTION_DIM_PAD_KEY`), then each sample mapped with its source's normalisation map."""
+        padded = {}
+        for key in self._pad_keys:
+            values = [item.pop(key, None) for item in items]
+            like = next(v for v in values if v is not None)
+            out = torch.zeros((len(items), *like.shape[:-1], int(self.features[key]["shape"][0])), dtype=like.dtype)
+            rows_of: dict[int, list[int]] = {}  # the rows of each length: one copy per length, not per row
+            for row, value in enumerate(values):
+                if value is not None:
+                    rows_of.setdefault(value.shape[-1], []).append(row)
+            for length, rows in rows_of.items():
+                out[rows, ..., :length] = torch.stack([values[row] for row in rows])
+            padded[key] = out
+        batch = torch.utils.data.default_collate(items)
+        batch.update(padded)
+        source = batch[SOURCE_INDEX_KEY]
+        batch["index"] += self._offset_of[source]  # each source's own frame index -> the mixture's
+        if "action" in self._pad_keys:
+            batch[ACTION_DIM_PAD_KEY] = self._action_dim_pad[source]
+        for key, (offset, scale, shift) in self._maps.items():
+            if key in batch:
+                value = batch[key]
+                view = (len(source), *([1] * (value.dim() - 2)), -1)  # one map per sample, along the last axis
+                batch[key] = (value - offset[source].view(view)) * scale[source].view(view) + shift[source].view(view)
+        return batch
 
     def _frames(self, key: str, frames: torch.Tensor | None) -> torch.Tensor:
         """The source's frames of camera ``key`` at the mixture's size (resized when its own differ), or zeros where
@@ -357,6 +394,16 @@ def _chw(spec: dict[str, Any]) -> tuple[int, int, int]:
     return shape[2], shape[0], shape[1]
 
 
+def release_freed_memory() -> None:
+    """Hand the memory freed so far back to the system (glibc's ``malloc_trim``): the allocator otherwise keeps the
+    freed blocks below its (growing) mmap threshold, private to the process, for good. Nothing where there is no
+    glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class MixtureSampler(ResumableBatchSampler):
     """The resumable sampler over a mixture: each epoch's order draws the sources by weight (module docstring)."""
 
@@ -368,6 +415,11 @@ class MixtureSampler(ResumableBatchSampler):
         self.mixture = dataset.fingerprint()
 
     def _draw(self, epoch: int) -> torch.Tensor:
+        order = self._draw_order(epoch)
+        release_freed_memory()  # the draw's temporaries: tens of MiB a large mixture would otherwise keep per rank
+        return order
+
+    def _draw_order(self, epoch: int) -> torch.Tensor:
         mixed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0])
         sources = torch.multinomial(self.weights, self.num_samples, replacement=True,
                                     generator=torch.Generator().manual_seed(mixed))

@@ -192,8 +192,8 @@ def normalise_sources(mixture: MixtureDataset, preprocessor: PolicyProcessorPipe
     statistics) for ``dataset.stats=mode``; returns, for ``per_source``, each source's pipelines by name (the files a
     checkpoint holds beside the default pair), else none."""
     per_source = mode is MixtureStats.per_source
-    mixture.transforms = [source_affine(preprocessor, stats, per_source=per_source).apply
-                          for stats in mixture.source_stats]
+    mixture.set_normalisation([source_affine(preprocessor, stats, per_source=per_source)
+                               for stats in mixture.source_stats])
     if not per_source:
         return {}
     return {source.name: source_processors(preprocessor, postprocessor, stats)

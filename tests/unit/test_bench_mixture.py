@@ -38,7 +38,7 @@ def test_sources_are_generated_once_and_the_readers_read_the_mixtures_frames(
     indices = bench._sampler(mixture, 0, 1).permutation(0)[:200].tolist()
     seen = set()
     for index, (dataset, own_index) in zip(indices, bench.reader_frames(mixture, indices)):
-        item, own = mixture[index], dataset[own_index]
+        item, own = {key: value[0] for key, value in mixture.collate([mixture[index]]).items()}, dataset[own_index]
         source = int(item[SOURCE_INDEX_KEY])
         assert dataset is mixture.datasets[source]
         dim = own["action"].shape[-1]

@@ -59,7 +59,8 @@ def test_two_robots_are_padded_to_the_longest_and_marked(aloha: Path) -> None:
     pusht = LeRobotDataset(PUSHT_SLICE, {"action": [i / 10 for i in range(CHUNK)]}, keys=["observation.state", "action",
                                                                                      "observation.image"],
                            uint8_visuals=True)
-    item = mixture[aloha_len + 5]
+    item = mixture.collate([mixture[aloha_len + 5]])
+    item = {key: value[0] for key, value in item.items()}
     own = pusht[5]
     assert int(item["index"]) == aloha_len + 5 and int(item[SOURCE_INDEX_KEY]) == 1
     # Its own 2 dims, then zeros; the action chunk read at PushT's 10 fps (frames 5..8 of its episode).
@@ -69,8 +70,9 @@ def test_two_robots_are_padded_to_the_longest_and_marked(aloha: Path) -> None:
     assert torch.equal(item[ACTION_DIM_PAD_KEY], torch.arange(14) >= 2)
     # The 96x96 camera resized to the mixture's 24x32, under the policy's name.
     assert item[TOP].shape == (3, 24, 32) and item[TOP].dtype == torch.uint8
-    first = mixture[0]
+    first = {key: value[0] for key, value in mixture.collate([mixture[0]]).items()}
     assert int(first[SOURCE_INDEX_KEY]) == 0 and not first[ACTION_DIM_PAD_KEY].any()
+    assert mixture[aloha_len + 5]["action"].shape == (CHUNK, 2)  # an item keeps its own size; collate pads a batch
     assert first["task"] != item["task"]
     sources, episodes = mixture.locate(np.array([0, aloha_len - 1, aloha_len, len(mixture) - 1]))
     assert sources.tolist() == [0, 0, 1, 1]
@@ -87,7 +89,7 @@ def test_a_camera_a_source_lacks_is_empty_and_marked(aloha: Path) -> None:
     assert pusht_item[empty_camera_key(TOP)] and not pusht_item[empty_camera_key(side)]
     assert torch.equal(pusht_item[TOP], torch.zeros(3, 24, 32, dtype=torch.uint8))
     assert pusht_item[side].shape == (3, 96, 96) and pusht_item[side].any()
-    batch = torch.utils.data.default_collate([aloha_item, pusht_item])  # every key in both: one batch
+    batch = mixture.collate([aloha_item, pusht_item])  # every key in both: one batch
     assert batch[empty_camera_key(TOP)].tolist() == [False, True]
 
 
@@ -168,3 +170,26 @@ def test_a_policy_that_cannot_pad_is_refused_naming_the_source_and_key(aloha: Pa
     side = _sources(aloha, pusht_camera="observation.images.side")
     message = _refusal(aloha, side, act)
     assert "dataset.sources.1='pusht_image_slice': has no observation.images.top, which policy.type=act reads" in message
+
+
+class _Map:
+    """A source's normalisation map as lerobot_mg.processors.mixture.SourceAffine holds it."""
+
+    def __init__(self, seed: int, length: int = 14) -> None:
+        rng = np.random.default_rng(seed)
+        self.offset, self.scale, self.shift = ({key: rng.normal(size=length).astype(np.float32)
+                                                for key in ("observation.state", "action")} for _ in range(3))
+
+
+def test_a_batch_maps_each_sample_with_its_own_sources_map(aloha: Path) -> None:
+    mixture = _mixture(_sources(aloha))
+    raw = mixture.collate([mixture[0], mixture[len(mixture.datasets[0]) + 3]])
+    maps = [_Map(0), _Map(1)]
+    mixture.set_normalisation(maps)
+    mapped = mixture.collate([mixture[0], mixture[len(mixture.datasets[0]) + 3]])
+    for row, source in enumerate((0, 1)):
+        for key in ("observation.state", "action"):
+            m = maps[source]
+            expected = (raw[key][row] - torch.from_numpy(m.offset[key])) * torch.from_numpy(m.scale[key]) + \
+                torch.from_numpy(m.shift[key])
+            assert torch.equal(mapped[key][row], expected), (key, row)
