@@ -34,6 +34,8 @@ COVERED_BY: list[tuple[str, str]] = [
     ("torchrun --nproc-per-node=4", "tests/dist/test_layouts.py::test_hsdp_mesh_is_two_replicas_of_two_shards"),
     ("torchrun --nproc-per-node=2 scripts/train.py policy=diffusion", "tests/dist/test_diffusion_layouts.py::test_fsdp_by_size_with_activation_checkpointing_and_dcp_matches_one_process"),
     ("torchrun --nproc-per-node=2 scripts/train.py experiment=pusht_debug_diffusion", "tests/dist/test_diffusion_layouts.py::test_fsdp_by_size_with_activation_checkpointing_and_dcp_matches_one_process"),
+    ("torchrun --nproc-per-node=2 scripts/train.py experiment=aloha_pi0_tiny parallelism.dp_shard=2  dataset=mixture",
+     "tests/dist/test_mixture_runs.py::test_a_two_robot_mixture_trains_sharded_resumes_bit_exact_and_is_accounted_per_source"),
     ("torchrun --nproc-per-node=2 scripts/train.py parallelism.dp_shard=2 accelerator.compile=true", "tests/unit/test_checkpointing_and_compile.py::test_compiled_units_train_like_eager"),
     ("torchrun --nproc-per-node=2", "tests/dist/test_layouts.py::test_layout_matches_one_process"),
     ("accelerate launch", "tests/dist/test_launchers.py::test_plain_accelerate_launch_trains_like_torchrun"),
