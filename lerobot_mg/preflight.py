@@ -29,7 +29,7 @@ from lerobot_mg.config.validate import validate
 from lerobot_mg.data import cache
 from lerobot_mg.data.hub import DatasetSource, hub_write_refusal, resolve_dataset
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
-from lerobot_mg.data.meta import DatasetMeta
+from lerobot_mg.data.meta import DATASET_SCOPE, DatasetMeta, dataset_name
 from lerobot_mg.data.mixture import MixtureDataset, MixturePlan, plan_mixture
 from lerobot_mg.data.split import EpisodeSplit, split_episodes
 from lerobot_mg.distributed.device import compile_unavailable_reason, precision_unsupported, use_cpu
@@ -212,43 +212,48 @@ def check_mixture(cfg: TrainConfig, dp_world_size: int, env: Mapping[str, str] |
         raise config_error("dataset.val_episodes", data.val_episodes, "holds episodes out of one dataset; a mixture's "
                            "validation split is not supported", "drop dataset.val_episodes (hold episodes out with "
                            "dataset.sources.<i>.episodes and evaluate the checkpoint on them)")
-    metas = []
+    metas, num_samples = [], 0
     for position, source in enumerate(data.sources):
+        scope = f"dataset.sources.{position}"  # the config group its user errors name, as the source's own keys
         if (source.root is None) == (source.repo_id is None):
-            raise config_error(f"dataset.sources.{position}", {"root": source.root, "repo_id": source.repo_id},
+            raise config_error(scope, {"root": source.root, "repo_id": source.repo_id},
                                "names a dataset by exactly one of root and repo_id",
-                               f"dataset.sources.{position}.root=<dir>, or dataset.sources.{position}.repo_id=<user>/<name>")
+                               f"{scope}.root=<dir>, or {scope}.repo_id=<user>/<name>")
         found = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, root=source.root, repo_id=source.repo_id,
-                                              revision=source.revision), env)
-        meta = DatasetMeta.read(found.root, f"dataset.sources.{position}.root=<a LeRobot v3.0 dataset directory>")
-        _check_lengths(cfg, meta, meta.lengths(source.episodes), f"dataset.sources.{position}")
+                                              revision=source.revision), env, scope)
+        meta = DatasetMeta.read(found.root, scope=scope)
+        lengths = meta.lengths(source.episodes)
+        _check_lengths(cfg, lengths, scope)
         metas.append(meta)
+        num_samples += sum(lengths.values())
     plan = plan_mixture(data, metas, cfg.policy)
     features_from_dataset(plan.features, cfg.policy.observation_keys)  # policy.observation_keys no source has
-    num_samples = sum(sum(meta.lengths(source.episodes).values()) for source, meta in zip(data.sources, metas))
-    _check_samples(cfg, dp_world_size, num_samples, plan.root, "the mixture")
+    _check_samples(cfg, dp_world_size, num_samples, "dataset.sources", [s.name for s in plan.sources], "the mixture")
     return plan, EpisodeSplit(None, [])
 
 
-def _check_lengths(cfg: TrainConfig, meta: DatasetMeta, lengths: dict[int, int], where: str) -> None:
-    """Each sample loads the policy's action chunk: the shortest episode holds at least one."""
+def _check_lengths(cfg: TrainConfig, lengths: dict[int, int], scope: str) -> None:
+    """Each sample loads the policy's action chunk: the shortest episode (of ``lengths``, the episodes read of the
+    dataset given in the config group ``scope``) holds at least one."""
     chunk = len(cfg.policy.action_delta_indices)
     shortest = min(lengths.values())
     if chunk > shortest:
         key = f"policy.{cfg.policy.action_length_key}"
         raise config_error(
             key, getattr(cfg.policy, cfg.policy.action_length_key),
-            f"each sample loads {chunk} action frames, more than the shortest episode of {where} has "
+            f"each sample loads {chunk} action frames, more than the shortest episode of {dataset_name(scope)} has "
             f"({shortest} frames, episode {min(lengths, key=lengths.__getitem__)}): most of its chunks would be padding",
-            f"{key}=<at most {shortest}>, or dataset.episodes=<longer episodes>",
+            f"{key}=<at most {shortest}>, or {scope}.episodes=<longer episodes>",
         )
 
 
-def _check_samples(cfg: TrainConfig, dp_world_size: int, num_samples: int, root: str, where: str) -> None:
-    """Every data-parallel rank gets a sample, and one global batch fits in the dataset (``where`` in messages)."""
+def _check_samples(cfg: TrainConfig, dp_world_size: int, num_samples: int, key: str, value: object,
+                   where: str) -> None:
+    """Every data-parallel rank gets a sample, and one global batch fits in the dataset: ``key=value`` names it
+    (``dataset.root``, or a mixture's ``dataset.sources``), ``where`` in the batch's message."""
     if dp_world_size > num_samples:
         raise config_error(
-            "dataset.root", root,
+            key, value,
             f"has {num_samples} samples, fewer than the {dp_world_size} data-parallel ranks launched: some ranks "
             "would get no sample at all",
             f"launch at most {num_samples} processes, or a larger dataset",
@@ -273,8 +278,9 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[Dat
     features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
     split = split_episodes(meta, cfg.dataset.episodes, cfg.dataset.val_episodes)
     lengths = meta.lengths(split.train)
-    _check_lengths(cfg, meta, lengths, "dataset.root")
-    _check_samples(cfg, dp_world_size, sum(lengths.values()), str(meta.root), "dataset.root")
+    _check_lengths(cfg, lengths, DATASET_SCOPE)
+    name = dataset_name(DATASET_SCOPE)
+    _check_samples(cfg, dp_world_size, sum(lengths.values()), name, str(meta.root), name)
     return meta, split
 
 

@@ -41,6 +41,7 @@ from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.policy import is_repo_id
 from lerobot_mg.config.schema import DATA_DIR, DatasetConfig
 from lerobot_mg.data.cache import user_cache_dir
+from lerobot_mg.data.meta import DATASET_SCOPE
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME
 
@@ -192,21 +193,23 @@ def _generated_or_shipped(root: Path) -> bool:
                for folder in (DATA_DIR.resolve(), (user_cache_dir() / "datasets").resolve()))
 
 
-def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) -> DatasetSource:
+def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None,
+                    scope: str = DATASET_SCOPE) -> DatasetSource:
     """The directory the run reads (see the module docstring); downloads a Hub dataset that is not cached, or is
     cached at another revision. Called by every rank before any process group exists; raises a ConfigError when the
-    dataset cannot be had at ``dataset.revision``."""
+    dataset cannot be had at ``dataset.revision``. ``scope``: the config group ``cfg``'s keys were given in
+    (``dataset``, or ``dataset.sources.<i>`` for a mixture's source), which its user errors name."""
     if cfg.root is not None:
-        return _given_root(cfg, env)
+        return _given_root(cfg, env, scope)
     if cfg.repo_id is None:
         raise config_error(
-            "dataset.root", None,
+            f"{scope}.root", None,
             "dataset=lerobot reads a LeRobot v3.0 dataset from a directory or from the Hub, and neither is given",
-            "dataset.root=<a LeRobot v3.0 dataset directory>, or dataset.repo_id=<user>/<dataset>",
+            f"{scope}.root=<a LeRobot v3.0 dataset directory>, or {scope}.repo_id=<user>/<dataset>",
         )
     if not is_repo_id(cfg.repo_id):
-        raise config_error("dataset.repo_id", cfg.repo_id, "is not a Hub repo id <user>/<dataset>",
-                           "dataset.repo_id=${HF_USER}/my_dataset")
+        raise config_error(f"{scope}.repo_id", cfg.repo_id, "is not a Hub repo id <user>/<dataset>",
+                           f"{scope}.repo_id=${{HF_USER}}/my_dataset")
     local_dir = lerobot_home(env) / cfg.repo_id
     offline = hub_offline(env)
     resolved = None
@@ -217,13 +220,13 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
         if copy.holds(cfg.revision, resolved):
             return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, copy.commit, "cache")
         if offline:
-            raise _another_revision(cfg, local_dir, copy)
+            raise _another_revision(cfg, local_dir, copy, scope)
     elif offline:
         raise config_error(
-            "dataset.repo_id", cfg.repo_id,
+            f"{scope}.repo_id", cfg.repo_id,
             f"is not in LeRobot's cache ({local_dir}), and HF_HUB_OFFLINE=1 forbids downloading it",
             f"fetch it while online: {fetch_command(cfg.repo_id, local_dir, cfg.revision)}, or "
-            "dataset.root=<a local copy>",
+            f"{scope}.root=<a local copy>",
         )
     local_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{local_dir}.lock"):  # one download per node; the other ranks wait here, then find it
@@ -231,19 +234,19 @@ def resolve_dataset(cfg: DatasetConfig, env: Mapping[str, str] | None = None) ->
             copy = LocalCopy.read(local_dir)
             if copy.holds(cfg.revision, resolved):
                 return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, copy.commit, "cache")
-        commit = download_dataset(cfg.repo_id, cfg.revision, local_dir)
+        commit = download_dataset(cfg.repo_id, cfg.revision, local_dir, scope)
     return DatasetSource(str(local_dir), cfg.repo_id, cfg.revision, commit, "download")
 
 
-def _given_root(cfg: DatasetConfig, env: Mapping[str, str] | None) -> DatasetSource:
+def _given_root(cfg: DatasetConfig, env: Mapping[str, str] | None, scope: str) -> DatasetSource:
     """``dataset.root`` as given: refused when it cannot be ``dataset.repo_id``'s copy at ``dataset.revision``."""
     root = Path(cfg.root)
     if cfg.repo_id is not None and _generated_or_shipped(root):
         raise config_error(
-            "dataset.repo_id", cfg.repo_id,
-            f"is set together with dataset.root={cfg.root} (a preset's dataset, which this package ships or "
+            f"{scope}.repo_id", cfg.repo_id,
+            f"is set together with {scope}.root={cfg.root} (a preset's dataset, which this package ships or "
             "generates), which is no copy of it and would be read instead",
-            f"dataset.root=null to read {cfg.repo_id} from LeRobot's cache or the Hub, or dataset.repo_id=null to "
+            f"{scope}.root=null to read {cfg.repo_id} from LeRobot's cache or the Hub, or {scope}.repo_id=null to "
             "train on the preset's dataset",
         )
     copy = LocalCopy.read(root)
@@ -254,11 +257,11 @@ def _given_root(cfg: DatasetConfig, env: Mapping[str, str] | None) -> DatasetSou
         resolved = _resolve_revision(cfg.repo_id, cfg.revision)
     if not copy.holds(cfg.revision, resolved):
         raise config_error(
-            "dataset.revision", cfg.revision,
-            f"dataset.root={cfg.root} holds {copy.describe()}, not that revision, and a given dataset.root is "
+            f"{scope}.revision", cfg.revision,
+            f"{scope}.root={cfg.root} holds {copy.describe()}, not that revision, and a given {scope}.root is "
             "read as it is, never downloaded into",
-            "dataset.revision=" + (copy.commit or "null") + " to read dataset.root as it is"
-            + (f", or dataset.root=null to read {cfg.repo_id} at that revision from LeRobot's cache"
+            f"{scope}.revision=" + (copy.commit or "null") + f" to read {scope}.root as it is"
+            + (f", or {scope}.root=null to read {cfg.repo_id} at that revision from LeRobot's cache"
                if cfg.repo_id is not None else ""),
         )
     return DatasetSource(str(root), cfg.repo_id, cfg.revision, copy.commit, "root")
@@ -275,23 +278,23 @@ def _resolve_revision(repo_id: str, revision: str | None) -> str | None:
         return None
 
 
-def _another_revision(cfg: DatasetConfig, local_dir: Path, copy: LocalCopy) -> ConfigError:
+def _another_revision(cfg: DatasetConfig, local_dir: Path, copy: LocalCopy, scope: str) -> ConfigError:
     """The user error of a cached copy that is not ``dataset.revision`` (or cannot be told to be), offline."""
     return config_error(
-        "dataset.revision", cfg.revision,
+        f"{scope}.revision", cfg.revision,
         f"LeRobot's cache holds {cfg.repo_id} at {copy.describe()} ({local_dir}), not that revision (as far as "
         "can be told offline), and HF_HUB_OFFLINE=1 forbids fetching it",
         f"fetch it while online (a start online replaces the copy; by hand: rm -r {local_dir} && "
         f"{fetch_command(str(cfg.repo_id), local_dir, cfg.revision)}), or "
-        + (f"dataset.revision={copy.commit} to train on the cached copy" if copy.commit
-           else "dataset.root=<a copy of that revision>"),
+        + (f"{scope}.revision={copy.commit} to train on the cached copy" if copy.commit
+           else f"{scope}.root=<a copy of that revision>"),
     )
 
 
-def download_dataset(repo_id: str, revision: str | None, local_dir: Path) -> str:
+def download_dataset(repo_id: str, revision: str | None, local_dir: Path, scope: str = DATASET_SCOPE) -> str:
     """Download the dataset repo at ``revision`` into ``local_dir`` (a copy of another commit there is updated in
     place: huggingface_hub fetches the files that differ, and files of the old commit the new one lacks are removed);
-    returns the commit it downloaded."""
+    returns the commit it downloaded. ``scope``: the config group its user errors name (see :func:`resolve_dataset`)."""
     fetch = fetch_command(repo_id, local_dir, revision)
     where = f"is not in LeRobot's cache ({local_dir})" + (" at that revision" if _is_complete(local_dir) else "")
     try:
@@ -301,13 +304,13 @@ def download_dataset(repo_id: str, revision: str | None, local_dir: Path) -> str
         snapshot_download(repo_id, repo_type="dataset", revision=commit, local_dir=local_dir)
     except (RepositoryNotFoundError, RevisionNotFoundError) as error:
         what = f"revision {revision!r} of it" if isinstance(error, RevisionNotFoundError) else "it"
-        raise config_error("dataset.repo_id", repo_id, f"{where}, and the Hub has no {what} (or it is private and "
+        raise config_error(f"{scope}.repo_id", repo_id, f"{where}, and the Hub has no {what} (or it is private and "
                            "no token with access is set)", "a dataset repo id you can read (hf auth login for a "
-                           "private one), or dataset.revision=<an existing branch, tag or commit>") from error
+                           f"private one), or {scope}.revision=<an existing branch, tag or commit>") from error
     except Exception as error:  # no network (httpx's connection errors), a proxy, a full disk, offline mode
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
-        raise ConfigError(f"dataset.repo_id={repo_id!r}: {where}, and downloading it failed ({reason}). Fix: "
-                          f"fetch it yourself: {fetch}, or dataset.root=<a local copy>") from error
+        raise ConfigError(f"{scope}.repo_id={repo_id!r}: {where}, and downloading it failed ({reason}). Fix: "
+                          f"fetch it yourself: {fetch}, or {scope}.root=<a local copy>") from error
     _remove_other_commits(local_dir, commit)
     (local_dir / DOWNLOAD_RECORD).write_text(json.dumps({"revision": revision, "commit": commit}) + "\n")
     (local_dir / INCOMPLETE_MARKER).unlink()

@@ -44,6 +44,9 @@ DEFAULT_FEATURES: dict[str, dict] = {
 
 
 
+# The config group of the run's one dataset; a mixture's source is given in ``dataset.sources.<i>``.
+DATASET_SCOPE = "dataset"
+
 REDOWNLOAD_ADVICE = ("download the dataset again (e.g. `huggingface-cli download --repo-type dataset <repo_id> "
                "--local-dir <root>`) or regenerate it")
 
@@ -61,15 +64,24 @@ def episode_column(table: pa.Table, name: str) -> np.ndarray:
     return np.asarray(table.column(name).to_pylist())
 
 
-def check_version(info: dict[str, Any], root: Path) -> None:
-    """A ConfigError naming the version of a dataset older than v3.x, and the conversion that fixes it."""
+def dataset_name(scope: str) -> str:
+    """How a message names the dataset given in the config group ``scope``: ``dataset.root`` for the run's one
+    dataset (the directory read, wherever it came from), the source's own group (``dataset.sources.<i>``) for a
+    mixture's source."""
+    return f"{scope}.root" if scope == DATASET_SCOPE else scope
+
+
+def check_version(info: dict[str, Any], root: Path, scope: str = DATASET_SCOPE) -> None:
+    """A ConfigError naming the version of a dataset older than v3.x, and the conversion that fixes it. ``scope``:
+    the config group the dataset was given in (``dataset``, or ``dataset.sources.<i>`` for a mixture's source),
+    whose keys the message names."""
     version = str(info.get("codebase_version"))
     if not version.startswith("v3."):
         raise config_error(
-            "dataset.root", str(root), f"is a LeRobot {version} dataset (meta/info.json codebase_version); this "
+            f"{scope}.root", str(root), f"is a LeRobot {version} dataset (meta/info.json codebase_version); this "
             "reader reads v3.0 only",
             "convert it with LeRobot's v2.1 -> v3.0 conversion script "
-            "(python -m lerobot.datasets.v30.convert_dataset_v21_to_v30), or dataset.root=<a v3.0 dataset>",
+            f"(python -m lerobot.datasets.v30.convert_dataset_v21_to_v30), or {scope}.root=<a v3.0 dataset>",
         )
 
 
@@ -92,15 +104,19 @@ class DatasetMeta:
     # Short stable hash of the dataset revision on disk (not of an episode selection): info.json, stats.json and
     # the episodes table by content, the data and video files by name and size.
     fingerprint: str
+    # The config group the dataset was given in: ``dataset``, or ``dataset.sources.<i>`` for a mixture's source.
+    # Its user errors (an episode it lacks) name that group's keys.
+    scope: str = DATASET_SCOPE
 
     @classmethod
-    def read(cls, root: str | Path,
-             fix: str = "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>") -> DatasetMeta:
-        """Read ``root``'s metadata; ``fix`` is the advice when it has no meta/info.json."""
+    def read(cls, root: str | Path, fix: str | None = None, scope: str = DATASET_SCOPE) -> DatasetMeta:
+        """Read ``root``'s metadata, given in the config group ``scope`` (``dataset``, or ``dataset.sources.<i>``);
+        ``fix`` is the advice when it has no meta/info.json (default: ``<scope>.root=<a dataset directory>``)."""
         root = Path(root)
         if not (root / INFO_PATH).is_file():
-            raise config_error("dataset.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json), or its "
-                               "writer did not finish", fix)
+            raise config_error(f"{scope}.root", str(root), "is not a LeRobot v3.0 dataset (no meta/info.json), or "
+                               "its writer did not finish",
+                               fix or f"{scope}.root=<a LeRobot v3.0 dataset directory containing meta/info.json>")
         digest = hashlib.sha256()
 
         def read_bytes(path: Path) -> bytes:
@@ -110,7 +126,7 @@ class DatasetMeta:
             return data
 
         info = json.loads(read_bytes(root / INFO_PATH))
-        check_version(info, root)
+        check_version(info, root, scope)
         if (root / STATS_PATH).is_file():
             read_bytes(root / STATS_PATH)
         paths = sorted((root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
@@ -140,7 +156,7 @@ class DatasetMeta:
             episodes = pa.ipc.open_file(pa.memory_map(str(folder / "episodes.arrow"))).read_all()
         blobs.clear()
         pa.default_memory_pool().release_unused()
-        return cls(root, info, episodes, fingerprint)
+        return cls(root, info, episodes, fingerprint, scope)
 
     @property
     def features(self) -> dict[str, dict[str, Any]]:
@@ -162,10 +178,12 @@ class DatasetMeta:
         available = self.episodes.column("episode_index").to_pylist()
         unknown = sorted(set(episodes) - set(available))
         if unknown:
+            key = f"{self.scope}.episodes"
             raise config_error(
-                "dataset.episodes", list(episodes),
-                f"dataset.root has no episode {unknown} (it has {len(available)}: {min(available)}..{max(available)})",
-                f"dataset.episodes=<indices in {min(available)}..{max(available)}>, or dataset.episodes=null for all",
+                key, list(episodes),
+                f"{dataset_name(self.scope)} has no episode {unknown} (it has {len(available)}: "
+                f"{min(available)}..{max(available)})",
+                f"{key}=<indices in {min(available)}..{max(available)}>, or {key}=null for all",
             )
         # The table's rows of the chosen episodes, in table order, as slices of contiguous runs: a filter or take
         # would convert the indices into an arrow array, and pyarrow imports pandas to convert Python values.

@@ -442,6 +442,29 @@ CATALOGUE = [
     BadInput("mixture_smaller_than_a_global_batch", [MIXTURE, "batch_size=300", TWO_SOURCES],
              "batch_size=300: one global batch (batch_size x 2 data-parallel ranks = 600 samples) is larger than the "
              "420 samples of the mixture", "batch_size=210, or fewer processes", world_size=2),
+    # A source is resolved and read as one dataset is; its refusals name the source's own keys.
+    BadInput("mixture_source_unknown_episode", [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [0, 7]}}")],
+             "dataset.sources.1.episodes=[0, 7]: dataset.sources.1 has no episode [7] (it has 3: 0..2)",
+             "dataset.sources.1.episodes=<indices in 0..2>, or dataset.sources.1.episodes=null for all"),
+    BadInput("mixture_source_root_missing", [MIXTURE, _sources(PUSHT_01, "{root: <tmp>/nowhere}")],
+             "dataset.sources.1.root='<tmp>/nowhere': is not a LeRobot v3.0 dataset (no meta/info.json)",
+             "dataset.sources.1.root=<a LeRobot v3.0 dataset directory containing meta/info.json>"),
+    BadInput("mixture_source_repo_id_not_a_repo_id", [MIXTURE, _sources(PUSHT_01, "{repo_id: my_dataset}")],
+             "dataset.sources.1.repo_id='my_dataset': is not a Hub repo id <user>/<dataset>",
+             "dataset.sources.1.repo_id=${HF_USER}/my_dataset"),
+    BadInput("mixture_source_repo_id_offline_and_not_cached", [MIXTURE, _sources(PUSHT_01, "{repo_id: me/my_dataset}")],
+             "dataset.sources.1.repo_id='me/my_dataset': is not in LeRobot's cache (/nonexistent/lerobot/me/my_dataset), "
+             "and HF_HUB_OFFLINE=1 forbids downloading it",
+             "fetch it while online: hf download me/my_dataset --repo-type dataset --local-dir "
+             "/nonexistent/lerobot/me/my_dataset, or dataset.sources.1.root=<a local copy>",
+             env={"HF_HUB_OFFLINE": "1", "HF_LEROBOT_HOME": "/nonexistent/lerobot"}),
+    BadInput("mixture_chunk_longer_than_a_sources_shortest_episode",
+             [MIXTURE, "policy.chunk_size=200", "policy.n_action_steps=10", TWO_SOURCES],
+             "policy.chunk_size=200: each sample loads 200 action frames, more than the shortest episode of "
+             "dataset.sources.0 has", "policy.chunk_size=<at most 118>, or dataset.sources.0.episodes=<longer episodes>"),
+    BadInput("mixture_more_ranks_than_samples", [MIXTURE, TWO_SOURCES],
+             "dataset.sources=['pusht_image_slice', 'pusht_image_slice_1']: has 420 samples, fewer than the 1000 "
+             "data-parallel ranks launched", "launch at most 420 processes, or a larger dataset", world_size=1000),
 ]
 
 

@@ -30,6 +30,7 @@ from lerobot_mg.data.meta import DatasetMeta
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.peft.base import BaseWeights, check_policy_path
 from lerobot_mg.peft.lora import load_policy
+from lerobot_mg.preflight import check_mixture
 from lerobot_mg.processors.normalize import load_processors
 from lerobot_mg.processors.pipeline import PIPELINE_NAMES
 from lerobot_mg.run_facts import RunFacts
@@ -195,6 +196,48 @@ def test_a_given_root_records_its_commit_and_must_be_the_revision_asked_for(tmp_
     with pytest.raises(ConfigError, match=r"holds no record of the revision it was downloaded at, not that "
                                           r"revision.*Fix: dataset\.revision=null to read dataset\.root as it is$"):
         resolve_dataset(_cfg(root=str(plain), revision="v3.0"), {})
+
+
+# --- a mixture's source -----------------------------------------------------------------------------------------
+
+def _mixture(second: str):
+    """A two-source mixture run config: the PushT slice's first episodes, then ``second`` (a source as typed)."""
+    return _run_config(["dataset=mixture", f"dataset.sources=[{{root: {PUSHT_SLICE}, episodes: [0, 1]}}, {second}]"])
+
+
+def test_a_mixture_sources_revision_and_download_refusals_name_its_own_keys(home: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source is found as one dataset is (the same rules), and each refusal names ``dataset.sources.<i>.*``, the
+    keys the user typed, never the single dataset's ``dataset.*``."""
+    copy = _downloaded(PUSHT_SLICE, home / "me" / "ds", OLD)
+    cached = _mixture(f"{{repo_id: me/ds, revision: '{NEW}'}}")
+    with pytest.raises(ConfigError) as error:
+        check_mixture(cached, 1, _offline(home))
+    assert str(error.value).startswith(f"dataset.sources.1.revision='{NEW}': LeRobot's cache holds me/ds at commit "
+                                       f"{OLD} ({copy}), not that revision"), error.value
+    assert str(error.value).endswith(f"or dataset.sources.1.revision={OLD} to train on the cached copy"), error.value
+    given = _mixture(f"{{root: {copy}, revision: '{NEW}'}}")
+    with pytest.raises(ConfigError, match=rf"^dataset\.sources\.1\.revision='{NEW}': dataset\.sources\.1\.root={copy} "
+                                          rf"holds commit {OLD}, not that revision, and a given dataset\.sources\.1\.root "
+                                          rf"is read as it is.*Fix: dataset\.sources\.1\.revision={OLD} to read "
+                                          r"dataset\.sources\.1\.root as it is$"):
+        check_mixture(given, 1, {"HF_HUB_OFFLINE": "1"})
+    # Online, a source that is not cached is downloaded; a failed download names the source's keys too.
+
+    class NoNetwork:
+        def dataset_info(self, repo_id: str, revision: str | None = None):
+            raise OSError("no network")
+
+    monkeypatch.setattr(hub, "HfApi", NoNetwork)
+    with pytest.raises(ConfigError) as error:
+        check_mixture(_mixture("{repo_id: me/absent}"), 1, {"HF_LEROBOT_HOME": str(home)})
+    assert str(error.value) == (
+        f"dataset.sources.1.repo_id='me/absent': is not in LeRobot's cache ({home / 'me' / 'absent'}), and "
+        "downloading it failed (OSError: no network). Fix: fetch it yourself: hf download me/absent --repo-type "
+        f"dataset --local-dir {home / 'me' / 'absent'}, or dataset.sources.1.root=<a local copy>")
+    # The same source as a run's one dataset: the single dataset's keys, as before.
+    with pytest.raises(ConfigError, match=r"^dataset\.repo_id='me/absent': .*, or dataset\.root=<a local copy>$"):
+        resolve_dataset(_cfg(repo_id="me/absent"), {"HF_LEROBOT_HOME": str(home)})
 
 
 # --- dataset.repo_id over a preset's dataset --------------------------------------------------------------------
