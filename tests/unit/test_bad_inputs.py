@@ -390,14 +390,16 @@ CATALOGUE = [
              [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, episodes: [0, 1], weight: 0}}",
                                 f"{{root: {PUSHT_SLICE}, episodes: [2], weight: 0}}")],
              "dataset.sources=['weight=0.0', 'weight=0.0']: weights are all zero: nothing would ever be drawn",
-             "give at least one source a positive weight"),
+             "dataset.sources.0.weight=1 (any positive weight)"),
     BadInput("mixture_weights_given_to_some_sources",
              [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}, episodes: [0, 1], weight: 0.7}}", PUSHT_2)],
              "dataset.sources=['weight=0.7', 'weight=None']: gives some sources a weight and others none",
              "a weight for every source, or none (each source's share of the frames)"),
     BadInput("mixture_duplicate_source", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}}}", f"{{root: {PUSHT_SLICE}/}}")],
-             f"dataset.sources.1='{PUSHT_SLICE}/': is the same dataset and episodes as dataset.sources.0: it would "
-             "only double that source's weight", "drop one of them, or raise dataset.sources.0.weight"),
+             f"dataset.sources.1='{PUSHT_SLICE}/': is the same dataset as dataset.sources.0 and shares its episodes "
+             "[0, 1, 2]: they would be drawn at both sources' weights",
+             "dataset.sources.1.episodes=<episodes dataset.sources.0 does not read>, or drop it and raise "
+             "dataset.sources.0.weight"),
     BadInput("mixture_source_of_another_version", [MIXTURE, _sources(f"{{root: {PUSHT_SLICE}}}", "{root: <tmp>/v31}")],
              "dataset.sources.1='<tmp>/v31': is a LeRobot v3.1 dataset, dataset.sources.0 a v3.0 one",
              "convert the older one with LeRobot's conversion script, or drop it", make=_v31_dataset),
@@ -435,8 +437,8 @@ CATALOGUE = [
               _sources("{root: <tmp>/aloha}", f"{{root: {PUSHT_SLICE}}}")],
              "dataset.sources.1='pusht_image_slice': holds observation.state of shape [2], another source [14]; "
              "policy.type=act cannot pad it",
-             "dataset.sources.1.rename_map={<its name for it>: observation.state}, policy.observation_keys without "
-             "it, or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)", make=_aloha_like_dataset),
+             "a policy that pads (policy=pi0, pi05 or smolvla), policy.observation_keys without it, or drop "
+             "dataset.sources.1", make=_aloha_like_dataset),
     BadInput("mixture_stats_unknown", [MIXTURE, "dataset.stats=pooled", TWO_SOURCES],
              "dataset.stats='pooled': must be one of merged, per_source", "dataset.stats=merged"),
     BadInput("mixture_smaller_than_a_global_batch", [MIXTURE, "batch_size=300", TWO_SOURCES],
