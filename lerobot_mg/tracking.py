@@ -26,6 +26,7 @@ from lerobot_mg.accounting.ledger import (
     UpdateDigest,
 )
 from lerobot_mg.checkpoint.resume import ResumePoint
+from lerobot_mg.config.choices import MixtureStats
 from lerobot_mg.config.schema import LoggingConfig, TrackioConfig, TrainConfig
 from lerobot_mg.data.lerobot_dataset import LeRobotDataset
 from lerobot_mg.distributed.metrics import IntervalMetrics
@@ -360,11 +361,11 @@ def mixture_lines(cfg: TrainConfig, mixture: Sequence[dict]) -> list[str]:
     frames gave it), frames, episodes and fps. Empty for a single dataset."""
     if not mixture:
         return []
-    typed = list(getattr(cfg.dataset, "sources", None) or ())
-    stats = getattr(cfg.dataset, "stats", None)
-    normalised = "" if stats is None else "; normalised with " + {
-        "merged": "merged statistics, one normaliser over every source (LeRobot's aggregate_stats)",
-        "per_source": "per-source statistics, each sample with its own source's"}.get(str(stats), str(stats)) + (
+    typed = list(cfg.dataset.sources or ())
+    stats = cfg.dataset.stats
+    normalised = "; normalised with " + {
+        MixtureStats.merged: "merged statistics, one normaliser over every source (LeRobot's aggregate_stats)",
+        MixtureStats.per_source: "per-source statistics, each sample with its own source's"}[stats] + (
         f" (dataset.stats={stats})")
     lines = [f"mixture sources: {len(mixture)}, {sum(s['num_frames'] for s in mixture):,} frames, "
              f"{sum(s['num_episodes'] for s in mixture):,} episodes{normalised}"]

@@ -23,6 +23,7 @@ from lerobot_mg.accounting.compare import (
 )
 from lerobot_mg.accounting.ledger import LEDGER_FILENAME, read_ledger
 from lerobot_mg.accounting.report import format_markdown, format_text
+from lerobot_mg.config.choices import MixtureStats
 from lerobot_mg.config.schema import LoggingConfig, TrainConfig, WandbConfig
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Continuation, ParallelDims, Topology
 from lerobot_mg.policies.act import ACTConfig
@@ -342,7 +343,7 @@ def test_the_banner_prints_each_source(tmp_path: Path, capsys: pytest.CaptureFix
     cfg = TrainConfig(policy=ACTConfig(), job_name="mix")
     # dataset.sources / dataset.stats as dataset=mixture sets them: the first weight set, the second the default.
     cfg.dataset.sources = [SimpleNamespace(weight=3.0), SimpleNamespace(weight=None)]  # type: ignore[attr-defined]
-    cfg.dataset.stats = "per_source"  # type: ignore[attr-defined]
+    cfg.dataset.stats = MixtureStats.per_source
     print_banner(cfg, FACTS, None, tmp_path, Progress())  # type: ignore[arg-type]  # a mixture's are in the facts
     out = capsys.readouterr().out
     assert "dataset: a mixture of the sources below" in out
@@ -353,8 +354,9 @@ def test_the_banner_prints_each_source(tmp_path: Path, capsys: pytest.CaptureFix
             "(lerobot/pusht, b2b2b2b2)\n") in out
     assert "  mixture: aloha 75 % + lerobot_pusht 25 %\n" in out  # the facts' own line
 
-    # Before dataset.stats and dataset.sources exist in the config (or without them), the sources still print.
+    # The defaults (merged statistics), and sources the config does not list (the facts' alone are printed).
     print_banner(TrainConfig(policy=ACTConfig()), FACTS, None, tmp_path, Progress())  # type: ignore[arg-type]
     out = capsys.readouterr().out
-    assert "  mixture sources: 2, 400 frames, 10 episodes\n" in out
+    assert ("  mixture sources: 2, 400 frames, 10 episodes; normalised with merged statistics, one normaliser over "
+            "every source (LeRobot's aggregate_stats) (dataset.stats=merged)\n") in out
     assert "    [0] aloha: 75 % of draws, 300 frames, 6 episodes, 50 fps  (/data/aloha, a1a1a1a1)\n" in out
