@@ -223,6 +223,8 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
             building = _temporary(root, name, "building")
             try:
                 build(building)
+                for path in building.iterdir():  # on disk before published: a crash cannot leave it half written,
+                    _fsync(path)  # and the pages that memory-map it are clean, shared by every process of the machine
                 files = {path.name: path.stat().st_size for path in building.iterdir()}
                 manifest = {"format": FORMAT_VERSION, "key": key, "files": files}
                 (building / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -233,6 +235,14 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
                         time.monotonic() - started)
         _mark_used(folder)
         yield folder
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @dataclass(frozen=True)

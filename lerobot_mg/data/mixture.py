@@ -25,7 +25,6 @@ samples, and the resumable sampler's rule for another topology holds unchanged.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import hashlib
 import json
 from collections.abc import Callable, Collection, Sequence
@@ -394,16 +393,6 @@ def _chw(spec: dict[str, Any]) -> tuple[int, int, int]:
     return shape[2], shape[0], shape[1]
 
 
-def release_freed_memory() -> None:
-    """Hand the memory freed so far back to the system (glibc's ``malloc_trim``): the allocator otherwise keeps the
-    freed blocks below its (growing) mmap threshold, private to the process, for good. Nothing where there is no
-    glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class MixtureSampler(ResumableBatchSampler):
     """The resumable sampler over a mixture: each epoch's order draws the sources by weight (module docstring)."""
 
@@ -415,11 +404,6 @@ class MixtureSampler(ResumableBatchSampler):
         self.mixture = dataset.fingerprint()
 
     def _draw(self, epoch: int) -> torch.Tensor:
-        order = self._draw_order(epoch)
-        release_freed_memory()  # the draw's temporaries: tens of MiB a large mixture would otherwise keep per rank
-        return order
-
-    def _draw_order(self, epoch: int) -> torch.Tensor:
         mixed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, dtype=np.uint64)[0])
         sources = torch.multinomial(self.weights, self.num_samples, replacement=True,
                                     generator=torch.Generator().manual_seed(mixed))
