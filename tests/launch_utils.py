@@ -222,27 +222,30 @@ def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str,
 
 
 def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. A rank that fails
-    gets the others a SIGTERM, as torchrun does; the exit status is the first failing rank's (0 when all succeed)."""
+    """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. Every rank is
+    watched: the first one that fails gets the others a SIGTERM, as torchrun does, after a line in the output saying
+    which rank failed and what each of the others was doing then; the exit status is the first failing rank's (0
+    when all succeed)."""
     port = free_port()
     output = Output()
     ranks = [subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), cwd=cwd, stdout=output.fd,
                               stderr=subprocess.STDOUT) for rank in range(nproc)]
-
-    def first_failure() -> int | None:
-        return next((rank.returncode for rank in ranks if rank.returncode), None)
-
     deadline, failed = time.monotonic() + timeout, None
-    while any(rank.poll() is None for rank in ranks):
+    while None in (codes := [rank.poll() for rank in ranks]):  # every rank, every tick
         if time.monotonic() > deadline:
             raise watchdog_failure(f"{nproc} ranks of {cmd}", timeout, ranks, output)
-        if failed is None and (failed := first_failure()) is not None:
-            for rank in ranks:
-                if rank.poll() is None:
+        if failed is None and (failed := next((code for code in codes if code), None)) is not None:
+            states = ", ".join(f"rank {r} {'running' if code is None else f'exited {code}'}"
+                               for r, code in enumerate(codes))
+            output.note(f"\nspawn_ranks: rank {codes.index(failed)} exited {failed} ({states}): SIGTERM to the "
+                        "ranks still running\n")
+            for rank, code in zip(ranks, codes):
+                if code is None:
                     rank.terminate()
         time.sleep(0.1)  # torchrun's monitor interval
-    returncode = failed if failed is not None else first_failure() or 0
-    return subprocess.CompletedProcess(cmd, returncode, output.close(), None)
+    if failed is None:
+        failed = next((code for code in codes if code), 0)
+    return subprocess.CompletedProcess(cmd, failed, output.close(), None)
 
 
 def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:

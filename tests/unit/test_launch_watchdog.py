@@ -1,5 +1,6 @@
-"""The launch watchdog's stack dump: a hung launch fails its test with the Python stack of every process, each
-under a line naming its pid, RANK and command, so a hang in CI says where each rank waited."""
+"""How tests/launch_utils.py watches the processes it launches: a rank that fails ends the launch whichever rank it
+is, and a hung launch fails its test with the Python stack of every process, each under a line naming its pid, RANK
+and command, so a hang in CI says where each rank waited."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.launch_utils import WATCHDOG_MARK, Output, clean_env, watchdog_failure
+from tests.launch_utils import WATCHDOG_MARK, Output, clean_env, spawn_ranks, watchdog_failure
 
 # A launcher (no RANK) that starts two ranks; each rank prints "ready" from inside the function it then hangs in.
 RANK_SCRIPT = """
@@ -63,3 +64,13 @@ def test_a_hung_launch_fails_with_the_stack_of_each_of_its_processes(tmp_path: P
     # Nothing is left running, and faulthandler's abort wrote no core file.
     assert not any(_alive(pid) for pid in (*ranks, launcher.pid))
     assert not [name for name in os.listdir(tmp_path) if name.startswith("core")]
+
+
+def test_a_failing_rank_other_than_the_first_ends_the_launch(tmp_path: Path) -> None:
+    """Rank 1 fails while rank 0 waits for it (as a rank waits for a peer's key in a rendezvous): the launch ends
+    with rank 1's status at once, rank 0 stopped, instead of running into the watchdog."""
+    script = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(3600)\n"
+    proc = spawn_ranks([sys.executable, "-c", script], 2, clean_env(), tmp_path, timeout=600)
+    assert proc.returncode == 3, proc.stdout
+    assert "spawn_ranks: rank 1 exited 3 (rank 0 running, rank 1 exited 3): SIGTERM to the ranks still running" in (
+        proc.stdout), proc.stdout
