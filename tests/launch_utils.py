@@ -133,7 +133,7 @@ class Output:
         return b"".join(self._chunks).decode(errors="replace")
 
 
-WATCHDOG_MARK = "watchdog: stacks of"
+STACKS_MARK = "launch: Python stacks of"
 STACK_DUMP_WAIT_S = 10.0
 
 
@@ -157,8 +157,9 @@ def _gone(pid: int) -> bool:
 
 
 def dump_stacks(procs: list[subprocess.Popen], output: Output) -> None:
-    """Where every thread of a hung launch was: each process started (and each process these started: torchrun's
-    workers) prints its threads' Python stacks into ``output``, one process after the other, and dies.
+    """Where every thread of hung processes was: each of ``procs`` (and each process these started: torchrun's
+    workers) prints its threads' Python stacks into ``output``, one process after the other, and dies; whatever else
+    runs below them is killed.
 
     The whole tree is frozen first (SIGSTOP), so no process reacts to another's end before its own stack is taken.
     Then each gets SIGABRT and SIGCONT: faulthandler (``PYTHONFAULTHANDLER``, set by :func:`clean_env`) prints its
@@ -174,7 +175,7 @@ def dump_stacks(procs: list[subprocess.Popen], output: Output) -> None:
     for pid in shown:
         if _gone(pid):
             continue
-        output.note(f"\n{WATCHDOG_MARK} {_describe(pid)}\n")
+        output.note(f"\n{STACKS_MARK} {_describe(pid)}\n")
         try:
             resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             os.kill(pid, signal.SIGABRT)
@@ -184,16 +185,21 @@ def dump_stacks(procs: list[subprocess.Popen], output: Output) -> None:
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
         while not _gone(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
+    for pid in tree:  # the rest (data loader workers, ...): orphaned by now, and still frozen
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    for proc in procs:
+        proc.wait(timeout=30)
 
 
 def watchdog_failure(what: str, timeout: float, procs: list[subprocess.Popen], output: Output) -> AssertionError:
     """Past ``timeout``: dump every process's stacks, kill the tree, and the error that fails the test with the
     launch's last output and the stacks."""
     dump_stacks(procs, output)
-    for proc in procs:
-        kill_tree(proc)
     text = output.close()
-    cut = text.find(f"\n{WATCHDOG_MARK}")
+    cut = text.find(f"\n{STACKS_MARK}")
     before, stacks = (text, "") if cut < 0 else (text[:cut], text[cut:])
     return AssertionError(f"watchdog: {what} ran over {timeout}s\n{before[-6000:]}\n{stacks[-30000:]}")
 
@@ -221,11 +227,13 @@ def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str,
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float,
+                stacks_on_failure: bool = True) -> subprocess.CompletedProcess:
     """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. Every rank is
-    watched: the first one that fails gets the others a SIGTERM, as torchrun does, after a line in the output saying
-    which rank failed and what each of the others was doing then; the exit status is the first failing rank's (0
-    when all succeed)."""
+    watched: when one fails, a line in the output says which and what each of the others was doing, and the ranks
+    still running are stopped, as torchrun does: with SIGTERM, or, with ``stacks_on_failure`` (for a launch whose
+    failure fails the test anyway), after printing where their threads were (:func:`dump_stacks`). The exit status
+    is the first failing rank's (0 when all succeed)."""
     port = free_port()
     output = Output()
     ranks = [subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), cwd=cwd, stdout=output.fd,
@@ -237,11 +245,13 @@ def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, time
         if failed is None and (failed := next((code for code in codes if code), None)) is not None:
             states = ", ".join(f"rank {r} {'running' if code is None else f'exited {code}'}"
                                for r, code in enumerate(codes))
-            output.note(f"\nspawn_ranks: rank {codes.index(failed)} exited {failed} ({states}): SIGTERM to the "
+            output.note(f"\nspawn_ranks: rank {codes.index(failed)} exited {failed} ({states}): stopping the "
                         "ranks still running\n")
-            for rank, code in zip(ranks, codes):
-                if code is None:
-                    rank.terminate()
+            running = [rank for rank, code in zip(ranks, codes) if code is None]
+            if stacks_on_failure:
+                dump_stacks(running, output)
+            for rank in running:
+                rank.terminate()
         time.sleep(0.1)  # torchrun's monitor interval
     if failed is None:
         failed = next((code for code in codes if code), 0)
@@ -270,7 +280,7 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
     launcher = launcher or ("python" if nproc == 1 else "spawn")
     if launcher == "spawn":
         proc = spawn_ranks([*launch_command(1, "python", script), *overrides], nproc, clean_env(env), cwd or REPO,
-                           timeout)
+                           timeout, stacks_on_failure=check)
     else:
         proc = run_watched([*launch_command(nproc, launcher, script), *overrides], clean_env(env), cwd or REPO,
                              timeout)

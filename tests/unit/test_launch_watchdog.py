@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.launch_utils import WATCHDOG_MARK, Output, clean_env, spawn_ranks, watchdog_failure
+from tests.launch_utils import STACKS_MARK, Output, clean_env, spawn_ranks, watchdog_failure
 
 # A launcher (no RANK) that starts two ranks; each rank prints "ready" from inside the function it then hangs in.
 RANK_SCRIPT = """
@@ -54,7 +54,7 @@ def test_a_hung_launch_fails_with_the_stack_of_each_of_its_processes(tmp_path: P
             launcher.kill()
     message = str(error)
     assert message.startswith("watchdog: the launch ran over 1s\n")
-    sections = message.split(WATCHDOG_MARK)[1:]
+    sections = message.split(STACKS_MARK)[1:]
     # The ranks first (RANK from their environment), then the launcher; each section holds its own stack.
     assert [s.split(":", 1)[0].strip() for s in sections] == [
         f"pid {ranks[0]} RANK=0", f"pid {ranks[1]} RANK=1", f"pid {launcher.pid} no RANK"]
@@ -70,7 +70,11 @@ def test_a_failing_rank_other_than_the_first_ends_the_launch(tmp_path: Path) -> 
     """Rank 1 fails while rank 0 waits for it (as a rank waits for a peer's key in a rendezvous): the launch ends
     with rank 1's status at once, rank 0 stopped, instead of running into the watchdog."""
     script = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(3600)\n"
-    proc = spawn_ranks([sys.executable, "-c", script], 2, clean_env(), tmp_path, timeout=600)
-    assert proc.returncode == 3, proc.stdout
-    assert "spawn_ranks: rank 1 exited 3 (rank 0 running, rank 1 exited 3): SIGTERM to the ranks still running" in (
-        proc.stdout), proc.stdout
+    for stacks in (False, True):
+        proc = spawn_ranks([sys.executable, "-c", script], 2, clean_env(), tmp_path, timeout=600,
+                           stacks_on_failure=stacks)
+        assert proc.returncode == 3, proc.stdout
+        assert "spawn_ranks: rank 1 exited 3 (rank 0 running, rank 1 exited 3): stopping the ranks still running" in (
+            proc.stdout), proc.stdout
+        # With stacks_on_failure, where rank 0 waited (line 4 of the script); else a plain SIGTERM, no stack.
+        assert (f"{STACKS_MARK} pid" in proc.stdout and 'line 4 in <module>' in proc.stdout) == stacks, proc.stdout
