@@ -12,6 +12,7 @@ torchrun without a launcher process that imports torch for every run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -107,7 +108,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 class Output:
     """The stdout and stderr of the processes a launch starts, merged in one pipe as a launcher's terminal shows
-    them, read by a thread as they come. The watchdog writes its own lines into the same stream."""
+    them, read by a thread as they come. The launch helpers write their own lines into the same stream."""
 
     def __init__(self) -> None:
         self._read_fd, self.fd = os.pipe()
@@ -176,8 +177,9 @@ def dump_stacks(procs: list[subprocess.Popen], output: Output) -> None:
         if _gone(pid):
             continue
         output.note(f"\n{STACKS_MARK} {_describe(pid)}\n")
-        try:
+        with contextlib.suppress(OSError):  # no core file (if the limit cannot be set, the system's applies)
             resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+        try:
             os.kill(pid, signal.SIGABRT)
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
