@@ -1,7 +1,9 @@
 """Launch real training processes from tests: python, torchrun, accelerate launch or spawned ranks, with a watchdog.
 
 Every launch runs with OMP_NUM_THREADS=1, without inherited accelerate variables, and is killed after
-``timeout`` seconds so a deadlock fails the test instead of hanging CI.
+``timeout`` seconds so a deadlock fails the test instead of hanging CI. Before killing a hung launch the watchdog
+has each of its processes print where its Python threads were (:func:`dump_stacks`), so a hang names the line every
+rank waited on.
 
 A multi-process run is started as spawned ranks unless the test is about a launcher: each rank is a process of its
 own given the variables torchrun gives its workers (as ``srun`` does under SLURM), which trains exactly as under
@@ -10,7 +12,9 @@ torchrun without a launcher process that imports torch for every run.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -68,21 +72,28 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         if not k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "LEROBOT_ALLOW"))
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1", WANDB_MODE="disabled")
+    # PYTHONFAULTHANDLER: a process that crashes (or that the watchdog aborts, see dump_stacks) prints the Python
+    # stack of each of its threads.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1", WANDB_MODE="disabled",
+               PYTHONFAULTHANDLER="1")
     env.update(extra or {})
     return env
 
 
-def descendants(pid: int) -> list[int]:
-    """Child processes, recursively: torchrun starts each worker in a session of its own, so killing
-    torchrun's process group would leave the ranks running."""
+def _children(pid: int) -> list[int]:
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             children += [int(child) for child in (task / "children").read_text().split()]
         except FileNotFoundError:
             continue
-    return [grandchild for child in children for grandchild in (child, *descendants(child))]
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively: torchrun starts each worker in a session of its own, so killing
+    torchrun's process group would leave the ranks running."""
+    return [grandchild for child in _children(pid) for grandchild in (child, *descendants(child))]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -93,6 +104,106 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             continue
     proc.wait(timeout=30)
+
+
+class Output:
+    """The stdout and stderr of the processes a launch starts, merged in one pipe as a launcher's terminal shows
+    them, read by a thread as they come. The launch helpers write their own lines into the same stream."""
+
+    def __init__(self) -> None:
+        self._read_fd, self.fd = os.pipe()
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while chunk := os.read(self._read_fd, 1 << 16):
+            self._chunks.append(chunk)
+
+    def note(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def close(self) -> str:
+        """Everything written, once the launched processes are gone (they hold the pipe's other copies)."""
+        os.close(self.fd)
+        self._reader.join(timeout=30)
+        os.close(self._read_fd)
+        return self.text()
+
+    def text(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace")
+
+
+STACKS_MARK = "launch: Python stacks of"
+STACK_DUMP_WAIT_S = 10.0
+
+
+def _describe(pid: int) -> str:
+    """``pid 123 RANK=2: python facts.py ...``: the process, its rank (from its environment) and its command."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    rank = next((v.decode() for v in environ if v.startswith(b"RANK=")), "no RANK")
+    command = " ".join(b" ".join(argv).decode(errors="replace").split())  # one line, even for python -c
+    return f"pid {pid} {rank}: {command[:300]}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def dump_stacks(procs: list[subprocess.Popen], output: Output) -> None:
+    """Where every thread of hung processes was: each of ``procs`` (and each process these started: torchrun's
+    workers) prints its threads' Python stacks into ``output``, one process after the other, and dies; whatever else
+    runs below them is killed.
+
+    The whole tree is frozen first (SIGSTOP), so no process reacts to another's end before its own stack is taken.
+    Then each gets SIGABRT and SIGCONT: faulthandler (``PYTHONFAULTHANDLER``, set by :func:`clean_env`) prints its
+    stacks and re-raises the signal, with core dumps off for that process.
+    """
+    tree = [pid for proc in procs for pid in (proc.pid, *descendants(proc.pid))]
+    shown = [pid for proc in procs for pid in (*_children(proc.pid), proc.pid)]  # a launcher after its workers
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+    for pid in shown:
+        if _gone(pid):
+            continue
+        output.note(f"\n{STACKS_MARK} {_describe(pid)}\n")
+        with contextlib.suppress(OSError):  # no core file (if the limit cannot be set, the system's applies)
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+        try:
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for pid in tree:  # the rest (data loader workers, ...): orphaned by now, and still frozen
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    for proc in procs:
+        proc.wait(timeout=30)
+
+
+def watchdog_failure(what: str, timeout: float, procs: list[subprocess.Popen], output: Output) -> AssertionError:
+    """Past ``timeout``: dump every process's stacks, kill the tree, and the error that fails the test with the
+    launch's last output and the stacks."""
+    dump_stacks(procs, output)
+    text = output.close()
+    cut = text.find(f"\n{STACKS_MARK}")
+    before, stacks = (text, "") if cut < 0 else (text[:cut], text[cut:])
+    return AssertionError(f"watchdog: {what} ran over {timeout}s\n{before[-6000:]}\n{stacks[-30000:]}")
 
 
 def launch_command(nproc: int, launcher: str, script: Path | str = TRAIN_SCRIPT) -> list[str]:
@@ -118,55 +229,48 @@ def rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str,
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. A rank that fails
-    gets the others a SIGTERM, as torchrun does; the exit status is the first failing rank's (0 when all succeed)."""
+def spawn_ranks(cmd: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float,
+                stacks_on_failure: bool = True) -> subprocess.CompletedProcess:
+    """Start ``cmd`` as ``nproc`` ranks, their output interleaved in one stream as under torchrun. Every rank is
+    watched: when one fails, a line in the output says which and what each of the others was doing, and the ranks
+    still running are stopped, as torchrun does: with SIGTERM, or, with ``stacks_on_failure`` (for a launch whose
+    failure fails the test anyway), after printing where their threads were (:func:`dump_stacks`). The exit status
+    is the first failing rank's (0 when all succeed)."""
     port = free_port()
-    read_end, write_end = os.pipe()
-    try:
-        ranks = [subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), cwd=cwd, stdout=write_end,
-                                  stderr=subprocess.STDOUT) for rank in range(nproc)]
-    finally:
-        os.close(write_end)
-    chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_end, 1 << 16), b"")), daemon=True)
-    reader.start()
-
-    def first_failure() -> int | None:
-        return next((rank.returncode for rank in ranks if rank.returncode), None)
-
+    output = Output()
+    ranks = [subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), cwd=cwd, stdout=output.fd,
+                              stderr=subprocess.STDOUT) for rank in range(nproc)]
     deadline, failed = time.monotonic() + timeout, None
-    try:
-        while any(rank.poll() is None for rank in ranks):
-            if time.monotonic() > deadline:
-                for rank in ranks:
-                    kill_tree(rank)
-                reader.join(timeout=30)
-                out = b"".join(chunks).decode(errors="replace")
-                raise AssertionError(f"watchdog: {nproc} ranks of {cmd} ran over {timeout}s\n{out[-6000:]}")
-            if failed is None and (failed := first_failure()) is not None:
-                for rank in ranks:
-                    if rank.poll() is None:
-                        rank.terminate()
-            time.sleep(0.1)  # torchrun's monitor interval
-        reader.join(timeout=30)
-    finally:
-        os.close(read_end)
-    returncode = failed if failed is not None else first_failure() or 0
-    return subprocess.CompletedProcess(cmd, returncode, b"".join(chunks).decode(errors="replace"), None)
+    while None in (codes := [rank.poll() for rank in ranks]):  # every rank, every tick
+        if time.monotonic() > deadline:
+            raise watchdog_failure(f"{nproc} ranks of {cmd}", timeout, ranks, output)
+        if failed is None and (failed := next((code for code in codes if code), None)) is not None:
+            states = ", ".join(f"rank {r} {'running' if code is None else f'exited {code}'}"
+                               for r, code in enumerate(codes))
+            output.note(f"\nspawn_ranks: rank {codes.index(failed)} exited {failed} ({states}): stopping the "
+                        "ranks still running\n")
+            running = [rank for rank, code in zip(ranks, codes) if code is None]
+            if stacks_on_failure:
+                dump_stacks(running, output)
+            for rank in running:
+                rank.terminate()
+        time.sleep(0.1)  # torchrun's monitor interval
+    if failed is None:
+        failed = next((code for code in codes if code), 0)
+    return subprocess.CompletedProcess(cmd, failed, output.close(), None)
 
 
 def run_watched(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to its end (stdout+stderr in .stdout); past ``timeout`` it and every process below it are killed
-    and the test fails with the output."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Run ``cmd`` to its end (stdout+stderr in .stdout); past ``timeout`` the stacks of it and of every process it
+    started are printed, they are killed and the test fails with the output."""
+    output = Output()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=output.fd, stderr=subprocess.STDOUT)
     try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output
-        kill_tree(proc)
-        stdout, _ = proc.communicate()
-        raise AssertionError(f"watchdog: {cmd} ran over {timeout}s\n{(stdout or '')[-6000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, None)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure with its output and its stacks
+        raise watchdog_failure(str(cmd), timeout, [proc], output) from None
+    text = output.close().replace("\r\n", "\n").replace("\r", "\n")  # as a text-mode pipe reads it
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, None)
 
 
 def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None, timeout: float = 300,
@@ -178,7 +282,7 @@ def run_train(overrides: list[str], nproc: int = 1, launcher: str | None = None,
     launcher = launcher or ("python" if nproc == 1 else "spawn")
     if launcher == "spawn":
         proc = spawn_ranks([*launch_command(1, "python", script), *overrides], nproc, clean_env(env), cwd or REPO,
-                           timeout)
+                           timeout, stacks_on_failure=check)
     else:
         proc = run_watched([*launch_command(nproc, launcher, script), *overrides], clean_env(env), cwd or REPO,
                              timeout)
