@@ -196,6 +196,10 @@ open(f"{out_dir}/facts_rank{rank}.json", "w").write(json.dumps({
     "default_group_backends": torch.distributed.get_backend_config(),
     "mesh_group_backends": sorted({torch.distributed.get_backend_config(g) for g in mesh.get_all_groups()}),
 }))
+# No rank leaves before every rank is done: rank 0 hosts the rendezvous store, and the ranks that need no peer to
+# create a mesh group (0 and 1 are in neither of HSDP's [2, 3] groups) would otherwise race ahead and exit while
+# ranks 2 and 3 still connect theirs through it (a training run ends with such a barrier too).
+torch.distributed.barrier()
 """
 
 
