@@ -20,10 +20,11 @@ measures, in ``/proc/<pid>/smaps_rollup``:
   (goal: at most 100 MiB), and the parts of it the opened mixture and the epoch order hold, in the rank that drew
   the order and in the one that mapped it.
 
-Then one process reads the same random frames, in the sampler's order, item by item through the mixture and through
-the sources' own ``LeRobotDataset`` readers (each frame from its source: no padding, no mixture keys), in
-alternating rounds; the median over rounds of the mixture's items per second of CPU time over the readers' is the
-mixture's speed (goal: at least 0.9). The items/s of the 2 ranks x 2 workers and the workers' private memory are
+Then one process reads the same random frames, in the sampler's order, in batches of 32 through the mixture (its
+items, then its collate: padding, masks, global indices) and through the sources' own ``LeRobotDataset`` readers
+(each frame from its source, each source's frames of a batch collated together as a single-dataset run collates
+them), in alternating rounds; the median over rounds of the mixture's items per second of CPU time over the
+readers' is the mixture's speed (goal: at least 0.9). The items/s of the 2 ranks x 2 workers and the workers' private memory are
 reported without a goal (see ``scripts/bench_dataset_memory.py`` for what a worker's private pages are).
 """
 
