@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lerobot_mg.checkpoint.resume import ResumePoint, resume_point
-from lerobot_mg.config.choices import DatasetName
+from lerobot_mg.config.choices import DatasetName, MixtureStats
 from lerobot_mg.config.loading import check_resume_request
 from lerobot_mg.config.schema import DatasetConfig, TrainConfig
 from lerobot_mg.config.validate import validate
@@ -212,7 +212,12 @@ def check_mixture(cfg: TrainConfig, dp_world_size: int, env: Mapping[str, str] |
         raise config_error("dataset.val_episodes", data.val_episodes, "holds episodes out of one dataset; a mixture's "
                            "validation split is not supported", "drop dataset.val_episodes (hold episodes out with "
                            "dataset.sources.<i>.episodes and evaluate the checkpoint on them)")
-    metas, num_samples = [], 0
+    if data.stats is MixtureStats.per_source and cfg.eval.n_episodes > 0:
+        raise config_error("dataset.stats", str(data.stats), "normalises each sample with its own source's statistics, "
+                           "but an evaluation in simulation runs the policy with the merged ones it never trained with",
+                           "eval.n_episodes=0 (evaluate the checkpoint with the source's policy_preprocessor_<source>"
+                           ".json), or dataset.stats=merged")
+    metas, found_at, num_samples = [], [], 0
     for position, source in enumerate(data.sources):
         scope = f"dataset.sources.{position}"  # the config group its user errors name, as the source's own keys
         if (source.root is None) == (source.repo_id is None):
@@ -222,11 +227,15 @@ def check_mixture(cfg: TrainConfig, dp_world_size: int, env: Mapping[str, str] |
         found = resolve_dataset(DatasetConfig(name=DatasetName.lerobot, root=source.root, repo_id=source.repo_id,
                                               revision=source.revision), env, scope)
         meta = DatasetMeta.read(found.root, scope=scope)
+        if source.episodes is not None and not source.episodes:
+            raise config_error(f"{scope}.episodes", [], "selects no episode", f"{scope}.episodes=null (all of them), or "
+                               "a list of episode indices")
         lengths = meta.lengths(source.episodes)
         _check_lengths(cfg, lengths, scope)
         metas.append(meta)
+        found_at.append(found)
         num_samples += sum(lengths.values())
-    plan = plan_mixture(data, metas, cfg.policy)
+    plan = plan_mixture(data, metas, cfg.policy, found_at)
     features_from_dataset(plan.features, cfg.policy.observation_keys)  # policy.observation_keys no source has
     _check_samples(cfg, dp_world_size, num_samples, "dataset.sources", [s.name for s in plan.sources], "the mixture")
     return plan, EpisodeSplit(None, [])
@@ -291,8 +300,8 @@ def open_training_data(cfg: TrainConfig, meta: DatasetMeta | MixturePlan, split:
     (logged column by column), which the other nodes' ranks would otherwise spend in a collective that times out.
     The validation episodes' entry is built too, for the evaluator to open. The first rank of each machine first
     removes what the cache's retention rule no longer keeps (``lerobot_mg.data.cache.clean``). A mixture opens each
-    source, with the statistics its normaliser uses and each source's map into them
-    (``lerobot_mg.processors.mixture``)."""
+    source and merges their statistics for the normaliser; each source's map into them is given by the start once
+    the normaliser exists (``MixtureDataset.set_normalisation``)."""
     days = cache.keep_days(env)
     if local_rank == 0:
         cleaned = cache.clean(days)

@@ -64,7 +64,9 @@ class SourcePlan:
     episodes: list[int] | None
     rename: dict[str, str]  # its feature name -> the mixture's
     repo_id: str | None = None
-    revision: str | None = None
+    revision: str | None = None  # as asked for
+    commit: str | None = None  # the Hub commit the files read came from (None: the directory records none)
+    how: str = "root"  # root (given) | cache (LeRobot's cache) | download (fetched by this start)
 
     def source_key(self, key: str) -> str:
         """The source's own name of the mixture's feature ``key``."""
@@ -85,11 +87,11 @@ class MixturePlan:
     fps: int  # the first source's (simulation evaluation and the policy's config see this one)
     padded: frozenset[str] = field(default_factory=frozenset)  # PADDED_KEYS some source is shorter in
     empty_cameras: frozenset[str] = field(default_factory=frozenset)  # cameras some source lacks
-    root: str = ""  # for messages: "mixture of N sources"
 
     def fingerprint(self) -> str:
-        """What makes the mixture: each source's revision, weight, episodes and renames."""
-        described = [[s.name, s.meta.fingerprint, s.weight, s.episodes, sorted(s.rename.items())] for s in self.sources]
+        """What makes the mixture's sample stream: each source's data, weight, episodes and renames, in order (not
+        where it was read from)."""
+        described = [[s.meta.fingerprint, s.weight, s.episodes, sorted(s.rename.items())] for s in self.sources]
         return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 
@@ -143,11 +145,19 @@ def _merge_features(sources: Sequence[SourcePlan]) -> tuple[dict[str, dict[str, 
                 raise config_error(f"dataset.sources.{position}", source.name,
                                    f"holds {key} as {spec['dtype']}, another source as {first['dtype']}",
                                    f"dataset.sources.{position}.rename_map={{{source.source_key(key)}: <another name>}}")
-            if key in PADDED_KEYS and list(spec["shape"]) != list(first["shape"]):
-                if len(spec["shape"]) != 1 or len(first["shape"]) != 1:
+            if first["dtype"] in _VISUAL:
+                if _chw(spec)[0] != _chw(first)[0]:
+                    raise config_error(f"dataset.sources.{position}", source.name,
+                                       f"holds {key} with {_chw(spec)[0]} channels, another source with "
+                                       f"{_chw(first)[0]}", f"dataset.sources.{position}.rename_map="
+                                       f"{{{source.source_key(key)}: <another camera name>}}")
+            elif list(spec["shape"]) != list(first["shape"]):
+                if key not in PADDED_KEYS or len(spec["shape"]) != 1 or len(first["shape"]) != 1:
                     raise config_error(f"dataset.sources.{position}", source.name,
                                        f"holds {key} of shape {spec['shape']}, another source {first['shape']}; only "
-                                       "vectors can be padded", "sources whose state and action are vectors")
+                                       f"the state and action vectors ({', '.join(PADDED_KEYS)}) are padded",
+                                       f"dataset.sources.{position}.rename_map={{{source.source_key(key)}: "
+                                       "<another name>}, or policy.observation_keys without it")
                 if spec["shape"][0] > first["shape"][0]:
                     merged[key] = dict(spec)
                 padded.add(key)
@@ -155,24 +165,25 @@ def _merge_features(sources: Sequence[SourcePlan]) -> tuple[dict[str, dict[str, 
 
 
 def plan_mixture(dataset_cfg: Any, metas: Sequence[DatasetMeta], policy_cfg: Any,
-                 sources_cfg: Sequence[Any] | None = None) -> MixturePlan:
+                 found: Sequence[Any] | None = None) -> MixturePlan:
     """Check ``dataset.sources`` (read as ``metas``, in order) against each other and the policy; the plan.
 
     Refused, each with the source named: a negative or all-zero weight, two sources that are the same dataset, a
     dataset of another LeRobot version than the first, a rename of a feature the source lacks or onto a name taken,
     a feature held as an image by one source and a number by another, and, for a policy that cannot take a missing
     input, a source without one of its inputs or with another state or action size."""
-    sources_cfg = list(dataset_cfg.sources if sources_cfg is None else sources_cfg)
+    sources_cfg = list(dataset_cfg.sources)
+    found = list(found) if found is not None else [None] * len(metas)  # each source's DatasetSource (data.hub)
     weights = _check_weights([s.weight for s in sources_cfg],
                              [sum(meta.lengths(s.episodes).values()) for s, meta in zip(sources_cfg, metas)])
     names: list[str] = []
-    seen: dict[str, list[tuple[int, set[int]]]] = {}  # resolved root -> (position, episodes) of the sources read there
+    seen: dict[str, list[tuple[int, set[int]]]] = {}  # data fingerprint -> (position, episodes) of its sources
     version = str(metas[0].info.get("codebase_version"))
     plans = []
     for position, (source, meta) in enumerate(zip(sources_cfg, metas)):
         key = f"dataset.sources.{position}"
         episodes = set(meta.lengths(source.episodes))
-        for other, other_episodes in seen.setdefault(str(Path(meta.root).resolve()), []):
+        for other, other_episodes in seen.setdefault(meta.fingerprint, []):  # the same data, wherever it was read
             shared = sorted(episodes & other_episodes)
             if shared:
                 raise config_error(
@@ -181,7 +192,7 @@ def plan_mixture(dataset_cfg: Any, metas: Sequence[DatasetMeta], policy_cfg: Any
                     f"{' ...' if len(shared) > 10 else ''}: they would be drawn at both sources' weights",
                     f"dataset.sources.{position}.episodes=<episodes dataset.sources.{other} does not read>, or drop it "
                     f"and raise dataset.sources.{other}.weight")
-        seen[str(Path(meta.root).resolve())].append((position, episodes))
+        seen[meta.fingerprint].append((position, episodes))
         if str(meta.info.get("codebase_version")) != version:
             raise config_error(key, source.repo_id or source.root,
                                f"is a LeRobot {meta.info.get('codebase_version')} dataset, dataset.sources.0 a "
@@ -189,32 +200,42 @@ def plan_mixture(dataset_cfg: Any, metas: Sequence[DatasetMeta], policy_cfg: Any
                                "convert the older one with LeRobot's conversion script, or drop it")
         rename = dict(source.rename_map or {})
         _check_rename(position, meta, rename)
+        if "action" not in meta.features:
+            raise config_error(key, source.repo_id or source.root, "records no action, which every source of a "
+                               "mixture trains the policy to predict", f"drop dataset.sources.{position}")
         name = source_name(source.repo_id, meta.root)
-        if name in names:
+        while name in names:  # unique: the ledger, compare and the processor files are keyed by it
             name = f"{name}_{position}"
         names.append(name)
+        where = found[position]
         plans.append(SourcePlan(name, meta, weights[position], None if source.episodes is None else list(source.episodes),
-                                rename, source.repo_id, source.revision))
+                                rename, source.repo_id, source.revision, where and where.commit,
+                                where.how if where else "root"))
     features, padded = _merge_features(plans)
     cameras = {k for k, spec in features.items() if spec["dtype"] in _VISUAL}
     empty = frozenset(k for k in cameras if any(k not in plan.features for plan in plans))
-    plan = MixturePlan(tuple(plans), features, metas[0].fps, padded, empty, f"mixture of {len(plans)} sources")
-    if not policy_cfg.pads_missing_inputs:
-        _refuse_missing_inputs(plan, policy_cfg)
+    plan = MixturePlan(tuple(plans), features, metas[0].fps, padded, empty)
+    _refuse_missing_inputs(plan, policy_cfg)
     return plan
 
 
 def _refuse_missing_inputs(plan: MixturePlan, policy_cfg: Any) -> None:
-    """A policy that cannot pad or mask (ACT, Diffusion): every source has each of its inputs, at the same size."""
+    """Every source has each input of a policy that cannot pad or mask (ACT, Diffusion), at the same size; for one
+    that can (the VLAs), each of its vector inputs (a camera a source lacks is an empty one)."""
     observed = policy_cfg.observation_keys or [k for k in plan.features if k.startswith("observation.")]
+    pads = policy_cfg.pads_missing_inputs
     for missing in (True, False):  # a missing input first: it is the more basic problem
         for position, source in enumerate(plan.sources):
             for key in [*observed, "action"]:
+                if pads and (not missing or plan.features.get(key, {}).get("dtype") in _VISUAL):
+                    continue
                 spec = source.features.get(key)
                 without = "policy.observation_keys without it, " if key != "action" else ""
                 if missing and spec is None:
                     raise config_error(f"dataset.sources.{position}", source.name, f"has no {key}, which "
-                                       f"policy.type={policy_cfg.type} reads and cannot do without",
+                                       f"policy.type={policy_cfg.type} reads and cannot do without"
+                                       + (" (a missing camera is an empty image; a missing vector has no stand-in)"
+                                          if pads else ""),
                                        f"dataset.sources.{position}.rename_map={{<its name for it>: {key}}}, {without}"
                                        "or a policy that pads missing inputs (policy=pi0, pi05 or smolvla)")
                 if (not missing and spec["dtype"] not in _VISUAL
@@ -239,8 +260,6 @@ class MixtureDataset(torch.utils.data.Dataset):
                  keys: Collection[str], uint8_visuals: bool = True) -> None:
         self.plan = plan
         self.features = plan.features
-        self.fps = plan.fps
-        self.root = plan.root
         self.keys = [k for k in keys if k in plan.features]
         self.datasets: list[LeRobotDataset] = []
         for source in plan.sources:
@@ -253,9 +272,7 @@ class MixtureDataset(torch.utils.data.Dataset):
         lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
         self._offsets = self.offsets.tolist()  # bisect on a list: a numpy search costs more than it saves per item
-        self._offset_of = torch.from_numpy(self.offsets)
         self.num_frames = int(lengths.sum())
-        self.num_episodes = sum(d.num_episodes for d in self.datasets)
         self.weights = np.array([s.weight for s in plan.sources], dtype=np.float64)
         self.visual_keys = [k for k in self.keys if plan.features[k]["dtype"] in _VISUAL]
         self.uint8_visuals = uint8_visuals
@@ -304,8 +321,9 @@ class MixtureDataset(torch.utils.data.Dataset):
         return np.searchsorted(self.offsets, indices, side="right") - 1
 
     def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source position, the source's episode index) of each global index."""
-        indices = np.asarray(indices, dtype=np.int64)
+        """(source position, the source's episode index) of each index the sampler yields (a presentation: see
+        :meth:`__getitem__`)."""
+        indices = np.asarray(indices, dtype=np.int64) % self.num_frames
         sources = self.source_of(indices)
         episodes = np.empty_like(indices)
         for s in np.unique(sources).tolist():
@@ -318,19 +336,24 @@ class MixtureDataset(torch.utils.data.Dataset):
     def facts(self) -> list[dict[str, Any]]:
         """Each source as a run records it (RunFacts.mixture, the ledger, the banner)."""
         return [{"name": s.name, "root": str(s.meta.root), "repo_id": s.repo_id, "revision": s.revision,
-                 "fingerprint": s.meta.fingerprint, "weight": s.weight, "num_frames": len(d),
+                 "commit": s.commit, "how": s.how, "fingerprint": s.meta.fingerprint, "weight": s.weight, "num_frames": len(d),
                  "num_episodes": d.num_episodes, "fps": s.meta.fps}
                 for s, d in zip(self.plan.sources, self.datasets)]
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
-        if not 0 <= idx < self.num_frames:
-            raise IndexError(f"index {idx} is out of range for a mixture of {self.num_frames} frames.")
-        s = bisect.bisect_right(self._offsets, idx) - 1
-        item = self.datasets[s][idx - self._offsets[s]]
+        """Frame ``idx % len(self)`` of the mixture. ``idx // len(self)`` is the lap of a source drawn more often
+        in an epoch than it has frames (:class:`MixtureSampler`): the item's ``index`` is ``idx`` itself, so each
+        presentation of a frame gets its own per-sample seed (``lerobot_mg.data.sampler.sample_seeds``)."""
+        if idx < 0:
+            raise IndexError(f"index {idx} is negative.")
+        frame = idx % self.num_frames
+        s = bisect.bisect_right(self._offsets, frame) - 1
+        item = self.datasets[s][frame - self._offsets[s]]
         renames = self._renames[s]
         if renames:
             item = {renames.get(key, key): value for key, value in item.items()}
-        item[SOURCE_INDEX_KEY] = self._source_index[s]  # collate makes "index" global: one addition per batch
+        item["index"] = torch.tensor(idx, dtype=torch.int64)
+        item[SOURCE_INDEX_KEY] = self._source_index[s]
         for key in self.visual_keys:
             if key in self.plan.empty_cameras:
                 item[empty_camera_key(key)] = torch.tensor(key not in item)
@@ -345,19 +368,17 @@ class MixtureDataset(torch.utils.data.Dataset):
         padded = {}
         for key in self._pad_keys:
             values = [item.pop(key, None) for item in items]
-            like = next(v for v in values if v is not None)
+            like = values[0]  # every source has each padded key (plan_mixture refuses one that lacks it)
             out = torch.zeros((len(items), *like.shape[:-1], int(self.features[key]["shape"][0])), dtype=like.dtype)
             rows_of: dict[int, list[int]] = {}  # the rows of each length: one copy per length, not per row
             for row, value in enumerate(values):
-                if value is not None:
-                    rows_of.setdefault(value.shape[-1], []).append(row)
+                rows_of.setdefault(value.shape[-1], []).append(row)
             for length, rows in rows_of.items():
                 out[rows, ..., :length] = torch.stack([values[row] for row in rows])
             padded[key] = out
         batch = torch.utils.data.default_collate(items)
         batch.update(padded)
         source = batch[SOURCE_INDEX_KEY]
-        batch["index"] += self._offset_of[source]  # each source's own frame index -> the mixture's
         if "action" in self._pad_keys:
             batch[ACTION_DIM_PAD_KEY] = self._action_dim_pad[source]
         for key, (offset, scale, shift) in self._maps.items():
@@ -413,13 +434,16 @@ class MixtureSampler(ResumableBatchSampler):
             laps = []
             for lap in range(-(-len(positions) // length)):
                 lap_seed = int(np.random.SeedSequence([self.seed, epoch, s, lap]).generate_state(1, dtype=np.uint64)[0])
-                laps.append(torch.randperm(length, generator=torch.Generator().manual_seed(lap_seed)))
+                # Lap k of the source yields k * N + its global index: a frame drawn again is another presentation.
+                laps.append(torch.randperm(length, generator=torch.Generator().manual_seed(lap_seed))
+                            + (offset + lap * self.num_samples))
             if laps:
-                order[positions] = offset + torch.cat(laps)[: len(positions)]
+                order[positions] = torch.cat(laps)[: len(positions)]
         return order
 
     def global_window(self) -> np.ndarray:
-        """The global indices the next loop step consumes, every rank's micro-batch in rank order."""
+        """The indices (presentations, see :meth:`MixtureDataset.__getitem__`) the next loop step consumes, every
+        rank's micro-batch in rank order."""
         return self.permutation(self.epoch)[self.offset: self.offset + self.global_batch_size].numpy()
 
     def state_dict(self) -> dict[str, Any]:

@@ -29,9 +29,10 @@ MAP_PERMUTATION_FROM = 1 << 20  # samples: below, a permutation (8 MiB at most) 
 def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
     """One int64 seed per sample presentation, from (run seed, epoch, dataset index) only.
 
-    Each epoch presents a sample at most once, so the seed is unique to a presentation yet independent of the
-    rank, the micro-batch and the process count that carry it: per-sample training noise drawn from it is the
-    same on every layout and after a resume.
+    Each epoch presents a sample at most once (a dataset mixture that draws a frame again in an epoch gives that
+    presentation another index: ``lerobot_mg.data.mixture``), so the seed is unique to a presentation yet
+    independent of the rank, the micro-batch and the process count that carry it: per-sample training noise drawn
+    from it is the same on every layout and after a resume.
     """
     return torch.tensor(
         [

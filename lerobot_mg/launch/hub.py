@@ -20,23 +20,31 @@ from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.run_facts import Progress, RunFacts
 
 
+def _describe_dataset(dataset: dict[str, Any]) -> str:
+    """A dataset by its repo id, or a local one by its folder only (the card is published, the path is this
+    machine's), with the commit its files came from."""
+    name = dataset.get("repo_id") or Path(dataset.get("root") or "").name
+    commit = dataset.get("commit")
+    return name + (f" (commit {commit})" if commit
+                   else f" (revision {dataset['revision']}, commit unknown)" if dataset.get("revision") else "")
+
+
 def model_card(cfg: TrainConfig, facts: RunFacts, progress: Progress, final_loss: float | None,
                evaluation: dict[str, Any] | None) -> str:
     """The README.md of the published model repo."""
-    dataset = facts.dataset_source or {}
-    # A local dataset is named by its folder only: the card is published, the path is this machine's.
-    dataset_name = dataset.get("repo_id") or Path(dataset.get("root") or str(cfg.dataset.root)).name
-    commit = dataset.get("commit")
-    revision = (f" (commit {commit})" if commit
-                else f" (revision {dataset['revision']}, commit unknown)" if dataset.get("revision") else "")
+    # One dataset, or each source of a mixture (dataset=mixture), as the run recorded it.
+    datasets = facts.mixture or [{"root": str(cfg.dataset.root), **(facts.dataset_source or {})}]
+    described = "; ".join(_describe_dataset(d) + (f", weight {100 * d['weight']:.3g} %" if facts.mixture else "")
+                          for d in datasets)
+    repo_ids = [d["repo_id"] for d in datasets if d.get("repo_id")]
     tags = ["lerobot", "lerobot_mg", "robotics", cfg.policy.type]
     front = "\n".join(["---", "library_name: lerobot", "pipeline_tag: robotics", "tags:",
                        *(f"- {tag}" for tag in tags),
-                       *([f"datasets:\n- {dataset['repo_id']}"] if dataset.get("repo_id") else []), "---"])
+                       *(["datasets:", *(f"- {repo_id}" for repo_id in repo_ids)] if repo_ids else []), "---"])
     rows = [
         ("policy", f"{cfg.policy.type} ({facts.model['total_params']:,} parameters, "
                    f"{facts.model['trainable_params']:,} trainable)"),
-        ("dataset", f"{dataset_name}{revision}"),
+        ("dataset", described),
         ("steps", f"{progress.step} loop steps, {progress.optimizer_updates} optimizer updates, "
                   f"{progress.samples_seen:,} samples"),
         ("effective batch", facts.batch.describe()),

@@ -99,11 +99,30 @@ def test_the_weighted_order_is_a_function_of_seed_and_epoch(aloha: Path) -> None
     assert torch.equal(first.permutation(0), again.permutation(0))
     assert not torch.equal(first.permutation(0), first.permutation(1))
     assert not torch.equal(first.permutation(0), MixtureSampler(mixture, 4, seed=4).permutation(0))
-    sources = mixture.source_of(first.permutation(0).numpy())
+    order = first.permutation(0)
+    sources = mixture.locate(order.numpy())[0]
     share = np.bincount(sources, minlength=2) / len(sources)
     assert abs(share[0] - 0.7) < 0.06, share  # ALOHA: 24 frames drawn ~311 times out of 444: 13 laps
-    aloha_draws = first.permutation(0)[torch.from_numpy(sources == 0)]
+    aloha_draws = order[torch.from_numpy(sources == 0)]
     assert sorted(aloha_draws[:24].tolist()) == list(range(24))  # a lap draws each frame once before any repeats
+    # The next lap is the same frames as other presentations: index k * N + frame, so each has its own sample seed.
+    assert sorted(aloha_draws[24:48].tolist()) == [len(mixture) + frame for frame in range(24)]
+    item = mixture[int(aloha_draws[30])]
+    assert int(item["index"]) == int(aloha_draws[30]) and int(item[SOURCE_INDEX_KEY]) == 0
+    assert len(set(order.tolist())) == len(order)  # every presentation of the epoch is another index
+
+
+def test_a_batch_indexes_the_mixture_whatever_the_episodes_a_source_reads(aloha: Path) -> None:
+    sources = [SourceConfig(root=str(PUSHT_SLICE), episodes=[2]),
+               SourceConfig(root=str(PUSHT_SLICE), episodes=[0, 1], rename_map={})]
+    mixture = _mixture(sources, policy=ACTConfig(observation_keys=["observation.state"], chunk_size=CHUNK,
+                                                 n_action_steps=CHUNK), keys=["observation.state", "action"])
+    window = MixtureSampler(mixture, 8, seed=0).global_window()
+    batch = mixture.collate([mixture[int(index)] for index in window])
+    assert batch["index"].tolist() == window.tolist()
+    own = [mixture.datasets[s][int(i) % len(mixture) - int(mixture.offsets[s])]["index"]
+           for s, i in zip(batch[SOURCE_INDEX_KEY].tolist(), window)]
+    assert [int(o) for o in own] != window.tolist()  # the slice's own frame indices are not the mixture's
 
 
 def test_ranks_split_each_global_window_and_a_resume_continues_it(aloha: Path) -> None:
