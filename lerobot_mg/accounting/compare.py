@@ -187,13 +187,17 @@ class Comparability:
 
 def _data_differences(facts: RunFacts, other: RunFacts, run: str, reference: str | None,
                       loop_step: int | None, mismatch: DataMismatch | None) -> list[DataDifference]:
-    """How ``other``'s data differs from ``facts``'s: source by source where both are mixtures, else (or where the
-    sources agree yet the fingerprints do not) by the dataset fingerprint."""
+    """How ``other``'s data differs from ``facts``'s. Two mixtures: source by source only, in any order (names, each
+    source's data fingerprint, frames and episodes, and weights within
+    :data:`lerobot_mg.run_facts.WEIGHT_TOLERANCE`); their dataset fingerprints are not compared, since a mixture's
+    depends on the sources' order and names, and sources in another order draw the same distribution of samples.
+    Otherwise (a single dataset on either side) by the dataset fingerprint."""
     fingerprints = (facts.dataset_fingerprint, other.dataset_fingerprint)
     if facts.mixture is not None and other.mixture is not None:
         sources = mixture_differences(facts.mixture, other.mixture, ordered=False)
         if sources:
             return [DataDifference(mismatch or DataMismatch.MIXTURE, run, reference, loop_step, fingerprints, sources)]
+        return []
     if fingerprints[0] != fingerprints[1]:
         return [DataDifference(mismatch or DataMismatch.DATASET, run, reference, loop_step, fingerprints)]
     return []

@@ -3,8 +3,9 @@ normaliser that LeRobot's loader reads.
 
 A mixture's processor files (``policy_preprocessor.json``, ``policy_postprocessor.json``) hold one set of
 statistics, the sources' merged ones (:func:`lerobot_mg.data.stats.aggregate_stats`), whichever ``dataset.stats``
-is. Before the normaliser sees a sample, the mixture dataset maps its state and action vectors with its source's
-:class:`SourceAffine` (:func:`source_affine`):
+is. Before the normaliser sees a sample, the mixture dataset's ``collate`` (the DataLoader's, which zero-pads each
+sample's state and action to the policy's length) maps those vectors with its source's :class:`SourceAffine`
+(:func:`source_affine`, handed to the dataset by :func:`normalise_sources`):
 
 - ``dataset.stats=merged``: unchanged; the merged normaliser normalises every source alike.
 - ``dataset.stats=per_source``: ``y = (x - offset) * scale + shift``, chosen so that the merged normaliser gives
@@ -33,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from lerobot_mg.config.choices import FeatureType, MixtureStats, NormalizationMode
 from lerobot_mg.data.mixture import MixtureDataset
@@ -45,33 +45,13 @@ from lerobot_mg.processors.pipeline import PIPELINE_NAMES, PolicyProcessorPipeli
 @dataclass(frozen=True)
 class SourceAffine:
     """One source's map of its state and action vectors before the merged normaliser (see the module docstring):
-    per feature key, float32 vectors of the policy's feature length; ``lengths``: the source's own lengths."""
+    per feature key, float32 vectors of the policy's feature length. :meth:`MixtureDataset.collate
+    <lerobot_mg.data.mixture.MixtureDataset.collate>` applies it to each sample of a batch, its vectors zero-padded
+    to that length first: ``(x - offset) * scale + shift``."""
 
     offset: dict[str, np.ndarray]
     scale: dict[str, np.ndarray]
     shift: dict[str, np.ndarray]
-    lengths: dict[str, int]
-
-    def apply(self, item: dict[str, Any]) -> dict[str, Any]:
-        """``item`` (one sample: tensors or arrays, a feature's vectors along the last axis, e.g. an action chunk
-        ``(T, n)``) with each feature it holds mapped as float32 of the policy's length ``(..., N)``: a vector
-        shorter than ``N`` (the source's own) is zero-padded first. The other keys are passed on untouched."""
-        out = dict(item)
-        for key, scale in self.scale.items():
-            if key in item:
-                out[key] = _map(item[key], self.offset[key], scale, self.shift[key])
-        return out
-
-
-def _map(x: Tensor | np.ndarray, offset: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> Tensor | np.ndarray:
-    missing = scale.shape[0] - x.shape[-1]
-    if missing < 0:
-        raise ValueError(f"a vector of {x.shape[-1]} values is longer than the policy's feature ({scale.shape[0]})")
-    if isinstance(x, Tensor):
-        x = torch.nn.functional.pad(x.to(torch.float32), (0, missing))
-        return (x - torch.from_numpy(offset)) * torch.from_numpy(scale) + torch.from_numpy(shift)
-    x = np.pad(np.asarray(x, dtype=np.float32), [(0, 0)] * (np.ndim(x) - 1) + [(0, missing)])
-    return (x - offset) * scale + shift
 
 
 def _effective_mode(step: NormalizerStep, key: str) -> NormalizationMode:
@@ -114,7 +94,7 @@ def source_affine(preprocessor: PolicyProcessorPipeline, source_stats: StatsLike
     only the dimensions the source lacks are set. A feature's length in the source is that of its statistics (none:
     every dimension is padding). Covers every non-camera feature the normaliser has."""
     step = preprocessor.step(NormalizerStep)
-    offset, scale, shift, lengths = {}, {}, {}, {}
+    offset, scale, shift = {}, {}, {}
     for key, spec in step.features.items():
         if spec["type"] == FeatureType.VISUAL.value:
             continue
@@ -125,7 +105,6 @@ def source_affine(preprocessor: PolicyProcessorPipeline, source_stats: StatsLike
         if n > full:
             raise ValueError(f"{key!r}: the source's statistics have {n} values, the policy's feature {full}")
         center, width, zero = _terms(step.stats.get(key, {}), mode, step.eps, full)
-        lengths[key] = n
         key_offset, key_scale, key_shift = np.zeros(full), np.zeros(full), zero.copy()
         if per_source:
             own_center, own_width, _ = _terms(source_stats[key], mode, step.eps, n) if n else (0.0, 1.0, 0.0)
@@ -133,7 +112,7 @@ def source_affine(preprocessor: PolicyProcessorPipeline, source_stats: StatsLike
         else:
             key_scale[:n], key_shift[:n] = 1.0, 0.0
         offset[key], scale[key], shift[key] = (a.astype(np.float32) for a in (key_offset, key_scale, key_shift))
-    return SourceAffine(offset, scale, shift, lengths)
+    return SourceAffine(offset, scale, shift)
 
 
 def _with_source_stats(pipeline: PolicyProcessorPipeline, step_class: type[NormalizerStep] | type[UnnormalizerStep],

@@ -313,6 +313,24 @@ def test_runs_on_different_mixtures_are_not_comparable(tmp_path: Path, capsys: p
                                                        "after": 0.5}
 
 
+def test_the_same_sources_in_another_order_are_comparable(tmp_path: Path) -> None:
+    """Two mixtures are compared source by source only: the same sources and weights listed in another order draw
+    the same distribution, though the dataset fingerprint (a function of the sources' order) differs."""
+    write_run(tmp_path / "base", FACTS, 8)
+    swapped = dataclasses.replace(FACTS, mixture=[PUSHT, ALOHA], dataset_fingerprint="mixture:dcba")
+    write_run(tmp_path / "swapped", swapped, 8)
+    records = [read_ledger(tmp_path / name) for name in ("base", "swapped")]
+    assert [r.segments[0].start.facts.dataset_fingerprint for r in records] == ["mixture:abcd", "mixture:dcba"]
+    verdict = compare_runs(records).comparability
+    assert verdict.comparable and verdict.differences == ()
+    # Another order and another source's data: the source is named, not the fingerprints.
+    regenerated = dataclasses.replace(swapped, mixture=[{**PUSHT, "fingerprint": "f6f6f6f6"}, ALOHA])
+    write_run(tmp_path / "regenerated", regenerated, 8)
+    (difference,) = compare_runs([records[0], read_ledger(tmp_path / "regenerated")]).comparability.differences
+    assert difference.mismatch is DataMismatch.MIXTURE
+    assert [(d.change, d.source) for d in difference.sources] == [(MixtureChange.DATA, "lerobot_pusht")]
+
+
 def test_a_run_that_changed_its_mixture_at_a_resume_is_not_comparable(tmp_path: Path) -> None:
     reweighted = dataclasses.replace(FACTS, mixture=[{**ALOHA, "weight": 0.5}, {**PUSHT, "weight": 0.5}])
     write_run(tmp_path / "changed", FACTS, 8, resume_at=4, resumed_facts=reweighted)

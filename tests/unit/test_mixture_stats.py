@@ -1,24 +1,39 @@
 """A dataset mixture's normalisation statistics: LeRobot's aggregate_stats (per dimension for vectors of different
-lengths), the per-source affine maps in front of the merged normaliser, and the per-source processor files."""
+lengths); a training batch normalised through the run's own path (``normalise_sources``, the mixture's ``collate``,
+the run's preprocessor) with the merged or each source's statistics; and the per-source processor files.
+
+The mixtures here are two sources written by our writer: ``long`` (5-dim state and action, the policy's) and
+``short`` (3 dims, its joint 1 never moves), each with a 4x4 camera."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 
+from lerobot_mg.config.choices import DatasetName, MixtureStats
+from lerobot_mg.config.pi0 import PI0Config
+from lerobot_mg.config.schema import DatasetConfig, SourceConfig
+from lerobot_mg.data.meta import DatasetMeta
+from lerobot_mg.data.mixture import MixtureDataset, plan_mixture
 from lerobot_mg.data.stats import aggregate_stats, pad_stats
-from lerobot_mg.policies.act import ACTConfig
-from lerobot_mg.processors import NormalizerStep, UnnormalizerStep, load_processors, make_processors
-from lerobot_mg.processors.mixture import (
-    load_source_processors,
-    save_source_processors,
-    source_affine,
-    source_processors,
+from lerobot_mg.data.writer import LeRobotDatasetWriter
+from lerobot_mg.policies.base import SOURCE_INDEX_KEY, delta_timestamps, features_from_dataset
+from lerobot_mg.processors import (
+    NormalizerStep,
+    PolicyProcessorPipeline,
+    UnnormalizerStep,
+    load_processors,
+    processors_for,
 )
+from lerobot_mg.processors.mixture import load_source_processors, normalise_sources, save_source_processors
+from lerobot_mg.step import to_device
 
 CAMERA = "observation.images.top"
 
@@ -63,7 +78,10 @@ LEROBOT_MERGED = {
                           "std": [1.6407788096025666, 1.682570312689148]},
 }
 MODES = ["MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY"]
-FULL = 5  # the policy's state and action length; source B's are 3 long
+FULL = 5  # the policy's state and action length (source long's); source short's are 3 long
+SHORT = 3
+VECTORS = ("observation.state", "action")
+TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1" / "pi0_tiny" / "tiny_tokenizer"
 
 
 def as_arrays(stats: dict) -> dict[str, dict[str, np.ndarray]]:
@@ -123,155 +141,176 @@ def test_pad_stats_makes_every_mode_the_identity_on_the_added_dimensions() -> No
         pad_stats(stats, {"action": 2})
 
 
-def random_stats(rng: np.random.Generator, length: int, count: int, constant: tuple[int, ...] = ()) -> dict:
-    mean = rng.normal(0, 2, length)
-    std = rng.uniform(0.2, 2, length)
-    low, high = mean - rng.uniform(1, 3, length), mean + rng.uniform(1, 3, length)
-    stats = {"mean": mean, "std": std, "min": low, "max": high, "count": np.array([count]),
-             "q01": low + 0.1 * std, "q10": mean - std, "q50": mean, "q90": mean + std, "q99": high - 0.1 * std}
-    for dim in constant:  # a joint that never moves in this dataset
-        for name in stats.keys() - {"count"}:
-            stats[name][dim] = mean[dim]
-        stats["std"][dim] = 0.0
-    return stats
-
-
-def mixture(mode: str, seed: int = 0, constant: tuple[int, ...] = ()):
-    """(the merged preprocessor and postprocessor, source A's stats (5 long), source B's (3 long))."""
+def write_source(root: Path, length: int, seed: int, constant: tuple[int, ...] = ()) -> Path:
+    """A source of 2 episodes of 8 frames: a state and an action of ``length`` dims and a 4x4 camera; the joints in
+    ``constant`` never move. Its stats.json also gets q10/q90 (mean -/+ std; the writer computes q01/q99 only), so
+    that every normalisation mode finds its statistics."""
     rng = np.random.default_rng(seed)
-    sources = [{key: random_stats(rng, length, count, constant) for key in ("observation.state", "action")}
-               for length, count in ((FULL, 500), (3, 200))]
-    for stats in sources:
-        stats[CAMERA] = {"mean": np.full((3, 1, 1), 0.5), "std": np.full((3, 1, 1), 0.2),
-                         "min": np.zeros((3, 1, 1)), "max": np.ones((3, 1, 1)), "count": stats["action"]["count"]}
-    config = ACTConfig(normalization_mapping={"VISUAL": "MEAN_STD", "STATE": mode, "ACTION": mode})
-    inputs = {"observation.state": {"type": "STATE", "shape": [FULL]}, CAMERA: {"type": "VISUAL", "shape": [3, 4, 4]}}
-    outputs = {"action": {"type": "ACTION", "shape": [FULL]}}
-    pre, post = make_processors(config, inputs, outputs, aggregate_stats(sources))
-    return pre, post, sources
+    features = {key: {"dtype": "float32", "shape": [length], "names": None} for key in VECTORS}
+    features[CAMERA] = {"dtype": "image", "shape": [4, 4, 3], "names": ["height", "width", "channels"]}
+    writer = LeRobotDatasetWriter(root, fps=10, features=features)
+    for _ in range(2):
+        for _ in range(8):
+            frame = {"observation.state": (3 * rng.normal(size=length) + 1).astype(np.float32),
+                     "action": (2 * rng.normal(size=length) - 1).astype(np.float32),
+                     CAMERA: rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)}
+            for dim in constant:
+                frame["observation.state"][dim], frame["action"][dim] = 0.25, -0.5
+            writer.add_frame(frame)
+        writer.save_episode(task="push the block")
+    writer.finalize()
+    path = root / "meta" / "stats.json"
+    stats = json.loads(path.read_text())
+    for key in VECTORS:
+        mean, std = np.asarray(stats[key]["mean"]), np.asarray(stats[key]["std"])
+        stats[key].update(q10=(mean - std).tolist(), q90=(mean + std).tolist())
+    path.write_text(json.dumps(stats))
+    return root
 
 
-def source_normaliser(pre, stats: dict, length: int) -> NormalizerStep:
+@pytest.fixture(scope="module")
+def source_roots(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("mixture_sources")
+    return [write_source(folder / "long", FULL, seed=0), write_source(folder / "short", SHORT, seed=1, constant=(1,))]
+
+
+def open_mixture(roots: list[Path], mode: str = "MEAN_STD",
+                 ) -> tuple[MixtureDataset, PolicyProcessorPipeline, PolicyProcessorPipeline]:
+    """The mixture of ``roots`` as a pi0 run opens it, and the run's (preprocessor, postprocessor) on the mixture's
+    merged statistics, built as train.py builds them, normalising the state and action with ``mode``."""
+    config = PI0Config(observation_keys=["observation.state", CAMERA], chunk_size=4, n_action_steps=4,
+                       tokenizer_name=str(TOKENIZER),
+                       normalization_mapping={"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode})
+    sources = [SourceConfig(root=str(root)) for root in roots]
+    plan = plan_mixture(DatasetConfig(name=DatasetName.mixture, sources=sources),
+                        [DatasetMeta.read(root) for root in roots], config)
+    mixture = MixtureDataset(plan, functools.partial(delta_timestamps, config, plan.features),
+                             [*config.observation_keys, "action"])
+    inputs, outputs = features_from_dataset(mixture.features, config.observation_keys)
+    pre, post = processors_for(config, SimpleNamespace(input_features=inputs, output_features=outputs),
+                               mixture.stats, None)
+    return mixture, pre, post
+
+
+def train_batch(mixture: MixtureDataset, preprocessor: PolicyProcessorPipeline, indices: list[int],
+                ) -> dict[str, torch.Tensor]:
+    """What the policy receives for these global indices: the DataLoader's collate, then the run's preprocessor."""
+    batch = mixture.collate([mixture[index] for index in indices])
+    return preprocessor(to_device(batch, torch.device("cpu"), uint8_keys=[CAMERA]))
+
+
+def source_normaliser(merged: NormalizerStep, stats: dict, length: int) -> NormalizerStep:
     """The normaliser of a run on this source alone."""
-    step = pre.step(NormalizerStep)
     features = {key: {**spec, "shape": [length]} if spec["type"] != "VISUAL" else spec
-                for key, spec in step.features.items()}
-    return NormalizerStep(features, step.norm_map, stats)
+                for key, spec in merged.features.items()}
+    return NormalizerStep(features, merged.norm_map, stats)
 
 
-def sample(rng: np.random.Generator, stats: dict, length: int) -> dict:
-    """A sample of the source: a state, an action chunk of 4 steps, a camera image."""
-    def draw(key, shape):
-        return torch.from_numpy((rng.normal(size=shape) * stats[key]["std"] + stats[key]["mean"]).astype(np.float32))
-    return {"observation.state": draw("observation.state", (length,)), "action": draw("action", (4, length)),
-            CAMERA: torch.rand(3, 4, 4), "index": torch.tensor(7)}
+def own_vectors(mixture: MixtureDataset, index: int) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """(source position, the source's length, its own state and action) of one global index."""
+    item = mixture[index]
+    return int(item[SOURCE_INDEX_KEY]), item["action"].shape[-1], {key: item[key] for key in VECTORS}
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("per_source", [True, False])
-def test_the_affine_map_then_the_merged_normaliser_is_the_chosen_normalisation(mode: str, per_source: bool) -> None:
-    pre, _, sources = mixture(mode)
+@pytest.mark.parametrize("stats_mode", list(MixtureStats))
+def test_a_training_batch_is_normalised_with_the_chosen_statistics(source_roots: list[Path], mode: str,
+                                                                   stats_mode: MixtureStats) -> None:
+    """``per_source``: each sample's real dims as its own source's statistics normalise them (a joint that never
+    moves in ``short`` as its statistics normalise it, 0 for MEAN_STD, -1 for the range modes, not a number blown up
+    by the eps); ``merged``: as the merged statistics do. Either way the padded dims are 0 and the camera is left."""
+    mixture, pre, post = open_mixture(source_roots, mode)
+    pipelines = normalise_sources(mixture, pre, post, stats_mode)
+    assert pipelines.keys() == ({"long", "short"} if stats_mode is MixtureStats.per_source else set())
     merged = pre.step(NormalizerStep)
-    rng = np.random.default_rng(1)
-    for stats, length in zip(sources, (FULL, 3)):
-        affine = source_affine(pre, stats, per_source=per_source)
-        assert affine.lengths == {"observation.state": length, "action": length}
-        item = sample(rng, stats, length)
-        mapped = affine.apply(item)
-        assert mapped[CAMERA] is item[CAMERA] and mapped["index"] is item["index"]
-        assert mapped["action"].shape == (4, FULL) and mapped["action"].dtype == torch.float32
-        got = merged(mapped)
-        if per_source:
-            want = source_normaliser(pre, stats, length)(item)
-        else:  # the merged statistics on the source's own dims
-            want = merged({key: torch.nn.functional.pad(item[key], (0, FULL - length))
-                           for key in ("observation.state", "action")})
-        for key in ("observation.state", "action"):
-            torch.testing.assert_close(got[key][..., :length], want[key][..., :length], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got[key][..., length:], torch.zeros_like(got[key][..., length:]), atol=1e-5,
-                                       rtol=0)
-        # The same map on numpy arrays, and on vectors the dataset already zero-padded.
-        as_numpy = affine.apply({key: item[key].numpy() for key in ("observation.state", "action")})
-        padded = affine.apply({key: torch.nn.functional.pad(item[key], (0, FULL - length))
-                               for key in ("observation.state", "action")})
-        for key in ("observation.state", "action"):
-            np.testing.assert_allclose(as_numpy[key], mapped[key].numpy(), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(padded[key], mapped[key], rtol=0, atol=0)
-        if not per_source:
-            for key in ("observation.state", "action"):
-                assert torch.equal(mapped[key][..., :length], item[key])  # untouched: bit for bit
+    short = int(mixture.offsets[1])
+    indices = [short + 3, 0, short + 12, 9]  # the sources interleaved: each row is mapped by its source
+    out = train_batch(mixture, pre, indices)
+    assert out[SOURCE_INDEX_KEY].tolist() == [1, 0, 1, 0]
+    for row, index in enumerate(indices):
+        source, length, own = own_vectors(mixture, index)
+        if stats_mode is MixtureStats.per_source:
+            want = source_normaliser(merged, mixture.source_stats[source], length)(own)
+            if source == 1 and mode != "IDENTITY":
+                for key in VECTORS:
+                    assert torch.all(want[key][..., 1] == (0.0 if mode == "MEAN_STD" else -1.0)), key
+        else:
+            want = merged({key: F.pad(value, (0, FULL - length)) for key, value in own.items()})
+        for key in VECTORS:
+            got = out[key][row]
+            torch.testing.assert_close(got[..., :length], want[key][..., :length], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got[..., length:], torch.zeros_like(got[..., length:]), atol=1e-5, rtol=0)
+        assert torch.equal(out[CAMERA][row], mixture[index][CAMERA].float() / 255)
+    if stats_mode is MixtureStats.merged:  # the merged map touches no real value: bit for bit the plain normaliser's
+        for row, index in enumerate(indices):
+            _, length, own = own_vectors(mixture, index)
+            plain = merged({key: F.pad(value, (0, FULL - length)) for key, value in own.items()})
+            for key in VECTORS:
+                assert torch.equal(out[key][row][..., :length], plain[key][..., :length]), key
 
 
-@pytest.mark.parametrize("mode", ["MEAN_STD", "MIN_MAX", "QUANTILES"])
-def test_a_joint_constant_in_one_source_normalises_as_that_sources_statistics_do(mode: str) -> None:
-    """Source B's dim 1 never moves (std 0, min = max): per source, its value normalises as B's own statistics
-    normalise it (0 for MEAN_STD, -1 for the range modes), not to a number blown up by the eps."""
-    pre, _, sources = mixture(mode, seed=3, constant=(1,))
-    b = sources[1]
-    item = sample(np.random.default_rng(2), b, 3)
-    item["observation.state"][1] = float(np.float32(b["observation.state"]["mean"][1]))
-    item["action"][:, 1] = float(np.float32(b["action"]["mean"][1]))
-    got = pre.step(NormalizerStep)(source_affine(pre, b, per_source=True).apply(item))
-    want = source_normaliser(pre, b, 3)(item)
-    for key in ("observation.state", "action"):
-        assert torch.all(want[key][..., 1] == (0.0 if mode == "MEAN_STD" else -1.0))
-        torch.testing.assert_close(got[key][..., :3], want[key], atol=1e-5, rtol=1e-5)
-
-
-def test_per_source_processor_files_hold_the_sources_statistics(tmp_path: Path) -> None:
-    """Written beside the default pair, one source's files load with its statistics (padded), normalise a robot's
-    zero-padded vector as the training did through the affine map, and unnormalise back; the default pair keeps
-    the merged statistics; the camera statistics are the run's."""
-    pre, post, sources = mixture("MEAN_STD")
-    b = sources[1]
+def test_per_source_processor_files_normalise_a_robot_as_its_training_did(source_roots: list[Path],
+                                                                         tmp_path: Path) -> None:
+    """Written beside the default pair, one source's files load with its statistics (padded), normalise the robot's
+    zero-padded vectors as the training batch was normalised, and unnormalise back; the default pair keeps the
+    merged statistics; the camera statistics are the run's."""
+    mixture, pre, post = open_mixture(source_roots)
+    pipelines = normalise_sources(mixture, pre, post, MixtureStats.per_source)
     pre.save_pretrained(tmp_path)
     post.save_pretrained(tmp_path)
-    save_source_processors(tmp_path, "lerobot_pusht", source_processors(pre, post, b))
+    save_source_processors(tmp_path, "short", pipelines["short"])
+    normaliser_step = pre.steps.index(pre.step(NormalizerStep))
     names = {path.name for path in tmp_path.iterdir()}
-    assert {"policy_preprocessor_lerobot_pusht.json", "policy_postprocessor_lerobot_pusht.json",
-            "policy_preprocessor_lerobot_pusht_step_3_normalizer_processor.safetensors",
-            "policy_postprocessor_lerobot_pusht_step_0_unnormalizer_processor.safetensors"} <= names
-    manifest = json.loads((tmp_path / "policy_preprocessor_lerobot_pusht.json").read_text())
+    assert {"policy_preprocessor_short.json", "policy_postprocessor_short.json",
+            f"policy_preprocessor_short_step_{normaliser_step}_normalizer_processor.safetensors",
+            "policy_postprocessor_short_step_0_unnormalizer_processor.safetensors"} <= names
+    manifest = json.loads((tmp_path / "policy_preprocessor_short.json").read_text())
     assert manifest["name"] == "policy_preprocessor"
 
-    source_pre, source_post = load_source_processors(tmp_path, "lerobot_pusht")
+    source_pre, source_post = load_source_processors(tmp_path, "short")
     default_pre, _ = load_processors(tmp_path)
-    padded = pad_stats(b, {"observation.state": FULL, "action": FULL})
+    padded = pad_stats(mixture.source_stats[1], dict.fromkeys(VECTORS, FULL))
     for step in (source_pre.step(NormalizerStep), source_post.step(UnnormalizerStep)):
         for name in ("mean", "std"):
-            torch.testing.assert_close(step.stats["action"][name], torch.tensor(padded["action"][name],
-                                                                                 dtype=torch.float32))
+            torch.testing.assert_close(step.stats["action"][name], torch.as_tensor(padded["action"][name],
+                                                                                    dtype=torch.float32))
         torch.testing.assert_close(step.stats["observation.state"]["std"],
-                                   torch.tensor(padded["observation.state"]["std"], dtype=torch.float32))
-        torch.testing.assert_close(step.stats[CAMERA]["std"], pre.step(NormalizerStep).stats[CAMERA]["std"])
+                                   torch.as_tensor(padded["observation.state"]["std"], dtype=torch.float32))
+        if CAMERA in step.stats:
+            torch.testing.assert_close(step.stats[CAMERA]["std"], pre.step(NormalizerStep).stats[CAMERA]["std"])
+    assert CAMERA in source_pre.step(NormalizerStep).stats
     torch.testing.assert_close(default_pre.step(NormalizerStep).stats["action"]["mean"],
                                pre.step(NormalizerStep).stats["action"]["mean"])
 
-    item = sample(np.random.default_rng(4), b, 3)
-    robot = {key: torch.nn.functional.pad(item[key], (0, FULL - 3)) for key in ("observation.state", "action")}
+    indices = [int(mixture.offsets[1]) + frame for frame in (0, 5, 11)]
+    trained = train_batch(mixture, pre, indices)
+    robot = {key: torch.stack([F.pad(own_vectors(mixture, index)[2][key], (0, FULL - SHORT)) for index in indices])
+             for key in VECTORS}
     deployed = source_pre.step(NormalizerStep)(robot)
-    trained = pre.step(NormalizerStep)(source_affine(pre, b, per_source=True).apply(item))
-    for key in ("observation.state", "action"):
+    for key in VECTORS:
         torch.testing.assert_close(deployed[key], trained[key], atol=1e-5, rtol=1e-5)
     restored = source_post({"action": deployed["action"]})["action"]
     torch.testing.assert_close(restored, robot["action"], atol=1e-5, rtol=1e-5)
 
 
-def test_a_pipeline_file_stem_is_one_file_name(tmp_path: Path) -> None:
-    pre, _, _ = mixture("MEAN_STD")
+def test_a_pipeline_file_stem_is_one_file_name(source_roots: list[Path], tmp_path: Path) -> None:
+    _, pre, _ = open_mixture(source_roots)
     with pytest.raises(ValueError, match="not a file name"):
         pre.save_pretrained(tmp_path, "../policy_preprocessor_x")
 
 
-def test_an_observation_the_normaliser_leaves_is_left_on_the_sources_dims() -> None:
+def test_an_observation_the_normaliser_leaves_is_left_on_the_sources_dims(source_roots: list[Path]) -> None:
     """A saved LeRobot normaliser may normalise only some observations (``normalize_observation_keys``): the state
     it leaves stays the source's own values, per source as well, and its padded dims are 0."""
-    pre, _, sources = mixture("MEAN_STD")
+    mixture, pre, post = open_mixture(source_roots)
     step = pre.step(NormalizerStep)
     step.normalize_observation_keys = [CAMERA]
-    b = sources[1]
-    item = sample(np.random.default_rng(5), b, 3)
-    got = step(source_affine(pre, b, per_source=True).apply(item))
-    torch.testing.assert_close(got["observation.state"], torch.nn.functional.pad(item["observation.state"], (0, 2)))
-    torch.testing.assert_close(got["action"][..., :3], source_normaliser(pre, b, 3)(item)["action"], atol=1e-5,
-                               rtol=1e-5)
+    normalise_sources(mixture, pre, post, MixtureStats.per_source)
+    indices = [int(mixture.offsets[1]) + 2, 3]
+    out = train_batch(mixture, pre, indices)
+    for row, index in enumerate(indices):
+        source, length, own = own_vectors(mixture, index)
+        torch.testing.assert_close(out["observation.state"][row], F.pad(own["observation.state"], (0, FULL - length)))
+        torch.testing.assert_close(out["action"][row][..., :length],
+                                   source_normaliser(step, mixture.source_stats[source], length)(own)["action"],
+                                   atol=1e-5, rtol=1e-5)

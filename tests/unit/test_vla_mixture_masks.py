@@ -2,11 +2,12 @@
 
 - Action dims a sample's robot lacks (``ACTION_DIM_PAD_KEY``) count in neither the sum nor the count of the loss: the
   sample trains exactly as under a policy whose action feature has its robot's dims, and its padded targets change
-  neither the loss nor a gradient.
+  neither the loss nor a gradient. The batch's loss is the plain mean of its samples' losses, so it is the mean of
+  any equal split's losses: data-parallel ranks train the same whatever samples each one holds.
 - A camera a sample's source lacks (``empty_camera_key``) is LeRobot's empty camera for that sample alone (image -1,
   mask False): its actions are those LeRobot computes without the camera, the other samples' are untouched.
 - Without the keys the numbers are LeRobot's: the fixture tests (test_pi0.py, test_smolvla.py) check them; here,
-  masks that mark nothing change nothing.
+  masks that mark nothing change no sample's loss and no action.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from lerobot_mg.policies.base import ACTION_DIM_PAD_KEY, PreTrainedPolicy, empty_camera_key
 from lerobot_mg.policies.registry import load_pretrained
+from lerobot_mg.policies.vla.common import reduce_action_losses
 from lerobot_mg.processors import load_processors
 from lerobot_mg.step import to_device
 from tests import vla_fixtures as vf
@@ -83,11 +85,61 @@ def test_padded_action_dims_train_as_the_robots_own_action_dim(
         alone = [_loss(_narrowed(policy, dims), {**batch, "action": batch["action"][..., :dims]}, ref, "none")[index]
                  for index, dims in enumerate(REAL_DIMS)]
     torch.testing.assert_close(per_sample, torch.stack(alone), **LOSS_TOLERANCE)
-    # The batch's mean weighs each sample by its real entries: real dims x (SmolVLA) its steps inside the episode.
-    steps = (~batch["action_is_pad"]).sum(dim=1) if name == "smolvla_tiny" else torch.full((2,), batch["action"].shape[1])
-    entries = steps * torch.tensor(REAL_DIMS)
-    torch.testing.assert_close(loss, (per_sample * entries).sum() / entries.sum(), **LOSS_TOLERANCE)
+    # The batch's loss is the plain mean of the samples' losses, whatever their robots' number of action dims.
+    torch.testing.assert_close(loss, per_sample.mean(), **LOSS_TOLERANCE)
     assert REAL_DIMS[0] < batch["action"].shape[-1]  # sample 0 has padded dims: the mask is exercised
+
+
+def test_a_mixed_batchs_loss_is_the_mean_of_its_halves_losses(
+        loaded: tuple[str, PreTrainedPolicy, dict[str, torch.Tensor]]) -> None:
+    """Two ranks holding one sample each (one robot per rank) train as one rank holding both."""
+    name, policy, ref = loaded
+    policy.train()
+    batch = vf.preprocessed_batch(name)
+    mixed = {**batch, ACTION_DIM_PAD_KEY: _dim_is_pad(batch)}
+    with torch.no_grad():
+        loss = _loss(policy, mixed, ref)
+        halves = [policy({key: value[index:index + 1] for key, value in mixed.items()},
+                         noise=ref["input.noise"][index:index + 1], time=ref["input.time"][index:index + 1])[0]
+                  for index in range(2)]
+    torch.testing.assert_close(loss, torch.stack(halves).mean(), **LOSS_TOLERANCE)
+
+
+def _mixed_losses(samples: int, steps: int, dims: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Elementwise losses of a batch that mixes a 2-dim robot (even samples) with a ``dims``-dim one (odd samples),
+    each sample's episode ending at its own step."""
+    generator = torch.Generator().manual_seed(0)
+    losses = torch.rand((samples, steps, dims), generator=generator)
+    real_dims = torch.tensor([2 if index % 2 == 0 else dims for index in range(samples)])
+    dim_is_pad = torch.arange(dims)[None, :] >= real_dims[:, None]
+    ends = torch.randint(1, steps + 1, (samples,), generator=generator)
+    step_is_pad = torch.arange(steps)[None, :] >= ends[:, None]
+    return losses, {ACTION_DIM_PAD_KEY: dim_is_pad, "action_is_pad": step_is_pad}
+
+
+@pytest.mark.parametrize("mask_steps", [False, True])
+def test_the_mixed_loss_does_not_depend_on_how_the_batch_is_split(mask_steps: bool) -> None:
+    losses, masks = _mixed_losses(samples=8, steps=5, dims=14)
+    loss = reduce_action_losses(masks, losses, "mean", mask_steps=mask_steps)
+    # Each rank one robot (rank 0 the 2-dim samples, rank 1 the 14-dim ones), or any other split of equal sizes.
+    for ranks in ([[0, 2, 4, 6], [1, 3, 5, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]], [[7, 0], [3, 4], [6, 1], [2, 5]]):
+        means = [reduce_action_losses({key: value[part] for key, value in masks.items()}, losses[part], "mean",
+                                      mask_steps=mask_steps) for part in map(torch.tensor, ranks)]
+        torch.testing.assert_close(torch.stack(means).mean(), loss)
+    per_sample = reduce_action_losses(masks, losses, "none", mask_steps=mask_steps)
+    torch.testing.assert_close(loss, per_sample.mean())
+    valid = ~masks[ACTION_DIM_PAD_KEY][:, None, :] & (~masks["action_is_pad"][:, :, None] if mask_steps else True)
+    expected = torch.stack([sample[real].mean() for sample, real in zip(losses, valid.expand_as(losses), strict=True)])
+    torch.testing.assert_close(per_sample, expected)
+
+
+def test_without_the_dim_mask_the_loss_is_lerobots_entry_weighted_mean() -> None:
+    losses, masks = _mixed_losses(samples=4, steps=5, dims=3)
+    step_is_pad = {"action_is_pad": masks["action_is_pad"]}
+    valid = (~step_is_pad["action_is_pad"])[:, :, None].expand_as(losses)
+    assert torch.equal(reduce_action_losses(step_is_pad, losses, "mean", mask_steps=True),
+                       (losses * valid).sum() / valid.sum())
+    assert torch.equal(reduce_action_losses(step_is_pad, losses, "mean", mask_steps=False), losses.mean())
 
 
 def test_padded_action_targets_change_neither_the_loss_nor_the_gradients(
@@ -121,9 +173,14 @@ def test_masks_that_mark_nothing_change_nothing(loaded: tuple[str, PreTrainedPol
     nothing = {ACTION_DIM_PAD_KEY: torch.zeros(batch["action"].shape[::2], dtype=torch.bool),
                **{empty_camera_key(key): torch.zeros(2, dtype=torch.bool) for key in _cameras(policy, batch)}}
     with torch.no_grad():
-        for reduction in ("mean", "none"):
-            torch.testing.assert_close(_loss(policy, {**batch, **nothing}, ref, reduction),
-                                       _loss(policy, batch, ref, reduction), **LOSS_TOLERANCE)
+        per_sample = _loss(policy, {**batch, **nothing}, ref, "none")
+        torch.testing.assert_close(per_sample, _loss(policy, batch, ref, "none"), **LOSS_TOLERANCE)
+        # A mixture's batch loss is the mean of its samples' (the same as LeRobot's for pi0 and pi0.5, which count
+        # every step; SmolVLA's samples, whose episodes end at different steps, weigh alike instead of by steps).
+        mixed_loss = _loss(policy, {**batch, **nothing}, ref)
+        torch.testing.assert_close(mixed_loss, per_sample.mean(), **LOSS_TOLERANCE)
+        if name != "smolvla_tiny":
+            torch.testing.assert_close(mixed_loss, _loss(policy, batch, ref), **LOSS_TOLERANCE)
         policy.eval()
         observation = {key: value for key, value in batch.items() if key.startswith("observation.")}
         assert torch.equal(_chunk(policy, {**observation, **nothing}, ref), _chunk(policy, observation, ref))

@@ -268,13 +268,18 @@ def zero_padded_action_dims(batch: dict[str, Tensor], actions: Tensor) -> Tensor
 
 
 def reduce_action_losses(batch: dict[str, Tensor], losses: Tensor, reduction: str, *, mask_steps: bool) -> Tensor:
-    """The training loss from the elementwise losses (B, T, D) of the action feature's dims: their mean over the
-    real entries, the whole batch's (``reduction="mean"``, a scalar) or each sample's (``"none"``, (B,)).
+    """The training loss from the elementwise losses (B, T, D) of the action feature's dims: the whole batch's
+    (``reduction="mean"``, a scalar) or each sample's (``"none"``, (B,)).
 
-    Padded entries count in neither the sum nor the count: the dimensions the batch's ``ACTION_DIM_PAD_KEY`` (B, D)
-    marks, and with ``mask_steps`` (SmolVLA, as LeRobot) the chunk steps past the episode end (``action_is_pad``
-    (B, T)); pi0 and pi0.5 count every step, as LeRobot's. Without either mask: the plain mean. An entry's weight is
-    the same in every sample, so a sample whose robot has fewer action dims weighs less in the batch's mean."""
+    Without ``ACTION_DIM_PAD_KEY`` in the batch this is LeRobot's loss: with ``mask_steps`` (SmolVLA) the sum over
+    the chunk steps inside the episode (``action_is_pad`` (B, T) False) divided by their count x D, the batch's or
+    each sample's; pi0 and pi0.5 count every step, as LeRobot's, so theirs is the plain mean.
+
+    With ``ACTION_DIM_PAD_KEY`` (B, D) (a dataset mixture's batch: its True dims are padding) each sample's loss is
+    the mean over its real entries (dims not padded and, with ``mask_steps``, steps inside the episode), and the
+    batch's loss is the plain mean of the samples' losses. Every sample then weighs the same whatever its robot's
+    action dims, and since data-parallel ranks hold micro-batches of one size, the mean of the ranks' losses is the
+    global batch's: the gradient does not depend on how the batch is split over ranks."""
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     step_is_pad = batch.get("action_is_pad") if mask_steps else None
@@ -288,6 +293,7 @@ def reduce_action_losses(batch: dict[str, Tensor], losses: Tensor, reduction: st
         valid = valid & ~dim_is_pad[:, None, :]
     losses = losses * valid
     count = valid.expand_as(losses)
-    if reduction == "none":
-        return losses.sum(dim=(1, 2)) / count.sum(dim=(1, 2)).clamp_min(1)
-    return losses.sum() / count.sum().clamp_min(1)
+    if reduction == "mean" and dim_is_pad is None:
+        return losses.sum() / count.sum().clamp_min(1)
+    per_sample = losses.sum(dim=(1, 2)) / count.sum(dim=(1, 2)).clamp_min(1)
+    return per_sample if reduction == "none" else per_sample.mean()
