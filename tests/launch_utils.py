@@ -81,11 +81,16 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (none once it has exited: a process can end while it is being listed)."""
     children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    for task in tasks:
         try:
             children += [int(child) for child in (task / "children").read_text().split()]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return children
 

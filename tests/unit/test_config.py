@@ -125,8 +125,8 @@ def test_every_preset_composes_into_the_schema_and_validates(group: str, option:
         policy.save_pretrained(tmp_path / "pretrained_model")
         extra = [*extra, f"policy.path={tmp_path / 'pretrained_model'}"]
     # The dataset root is replaced by the PushT slice so that the validation below finds a real dataset.
-    # A mixture's sources: the slice, and its first episode again (another source: the same episodes twice are refused).
-    data = ([f"dataset.sources=[{{root: {PUSHT_SLICE}}}, {{root: {PUSHT_SLICE}, episodes: [0]}}]"]
+    # A mixture's sources: the slice's first two episodes and its third (one episode in two sources is refused).
+    data = ([f"dataset.sources=[{{root: {PUSHT_SLICE}, episodes: [0, 1]}}, {{root: {PUSHT_SLICE}, episodes: [2]}}]"]
             if (group, option) == ("dataset", "mixture") else [f"dataset.root={PUSHT_SLICE}"])
     composed = _compose([f"{group}={option}", *extra, *data])
     preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"), resolve=True)
