@@ -223,8 +223,8 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
             building = _temporary(root, name, "building")
             try:
                 build(building)
-                for path in building.iterdir():  # on disk before published: a crash cannot leave it half written,
-                    _fsync(path)  # and the pages that memory-map it are clean, shared by every process of the machine
+                for path in building.iterdir():  # on disk before it is published: a crash cannot leave a
+                    _fsync(path)  # published entry half written
                 files = {path.name: path.stat().st_size for path in building.iterdir()}
                 manifest = {"format": FORMAT_VERSION, "key": key, "files": files}
                 (building / MANIFEST).write_text(json.dumps(manifest, indent=1))

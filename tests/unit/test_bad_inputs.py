@@ -464,6 +464,15 @@ CATALOGUE = [
              [MIXTURE, "policy.chunk_size=200", "policy.n_action_steps=10", TWO_SOURCES],
              "policy.chunk_size=200: each sample loads 200 action frames, more than the shortest episode of "
              "dataset.sources.0 has", "policy.chunk_size=<at most 118>, or dataset.sources.0.episodes=<longer episodes>"),
+    BadInput("mixture_source_without_episodes", [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: []}}")],
+             "dataset.sources.1.episodes=[]: selects no episode",
+             "dataset.sources.1.episodes=null (all of them), or a list of episode indices"),
+    BadInput("mixture_per_source_with_a_simulation_evaluation",
+             [MIXTURE, "dataset.stats=per_source", "eval.n_episodes=2", TWO_SOURCES],
+             "dataset.stats='per_source': normalises each sample with its own source's statistics, but an evaluation in "
+             "simulation runs the policy with the merged ones it never trained with",
+             "eval.n_episodes=0 (evaluate the checkpoint with the source's policy_preprocessor_<source>.json), or "
+             "dataset.stats=merged"),
     BadInput("mixture_more_ranks_than_samples", [MIXTURE, TWO_SOURCES],
              "dataset.sources=['pusht_image_slice', 'pusht_image_slice_1']: has 420 samples, fewer than the 1000 "
              "data-parallel ranks launched", "launch at most 420 processes, or a larger dataset", world_size=1000),

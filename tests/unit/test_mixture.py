@@ -212,3 +212,30 @@ def test_a_batch_maps_each_sample_with_its_own_sources_map(aloha: Path) -> None:
             expected = (raw[key][row] - torch.from_numpy(m.offset[key])) * torch.from_numpy(m.scale[key]) + \
                 torch.from_numpy(m.shift[key])
             assert torch.equal(mapped[key][row], expected), (key, row)
+
+
+def test_what_would_fail_mid_run_is_refused_at_start_up(aloha: Path, tmp_path: Path) -> None:
+    # A copy of the slice elsewhere is the same data: its episodes would be drawn at both weights.
+    copy = tmp_path / "copy"
+    shutil.copytree(PUSHT_SLICE, copy)
+    same = [SourceConfig(root=str(PUSHT_SLICE), episodes=[0, 1]), SourceConfig(root=str(copy), episodes=[1, 2])]
+    assert "is the same dataset as dataset.sources.0 and shares its episodes [1]" in _refusal(aloha, same)
+    # A vector the VLA reads that one source lacks has no stand-in (a camera has: an empty one).
+    no_state = _sources(aloha)
+    no_state[1].rename_map = {"observation.image": TOP, "observation.state": "observation.environment_state"}
+    assert "has no observation.state, which policy.type=pi0 reads" in _refusal(aloha, no_state)
+    # Vectors other than the state and action are not padded.
+    reward = [SourceConfig(root=str(PUSHT_SLICE), episodes=[0, 1]),
+              SourceConfig(root=str(PUSHT_SLICE), episodes=[2], rename_map={"next.reward": "observation.effort",
+                                                                             "observation.state": "next.reward"})]
+    message = _refusal(aloha, reward)
+    assert "holds next.reward of shape [2], another source [1]; only the state and action vectors" in message, message
+
+
+def test_source_names_are_unique(aloha: Path) -> None:
+    sources = [SourceConfig(root=str(PUSHT_SLICE), episodes=[0]), SourceConfig(root=str(PUSHT_SLICE), episodes=[1]),
+               SourceConfig(root=str(PUSHT_SLICE), episodes=[2])]
+    policy = ACTConfig(observation_keys=["observation.state"], chunk_size=CHUNK, n_action_steps=CHUNK)
+    plan = plan_mixture(DatasetConfig(name=DatasetName.mixture, sources=sources),
+                        [DatasetMeta.read(s.root) for s in sources], policy)
+    assert [s.name for s in plan.sources] == ["pusht_image_slice", "pusht_image_slice_1", "pusht_image_slice_2"]

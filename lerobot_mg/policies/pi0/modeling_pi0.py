@@ -356,8 +356,8 @@ class PI0Policy(PreTrainedPolicy):
     def forward(self, batch: dict[str, Tensor], noise: Tensor | None = None, time: Tensor | None = None,
                 reduction: str = "mean") -> tuple[Tensor, dict[str, float]]:
         """LeRobot's loss: the mean over the batch, every chunk step (``action_is_pad`` is not read, as in LeRobot)
-        and the action's dims, less the dims a dataset mixture marks as padding (``ACTION_DIM_PAD_KEY``, see
-        :func:`reduce_action_losses`); ``reduction="none"`` gives one loss per sample (B,)."""
+        and the action's dims; a dataset mixture's batch (``ACTION_DIM_PAD_KEY``) is the mean of each sample's mean
+        over its real dims (see :func:`reduce_action_losses`); ``reduction="none"`` gives one loss per sample (B,)."""
         losses = self.elementwise_losses(batch, noise, time)
         return reduce_action_losses(batch, losses, reduction, mask_steps=False), {}
 

@@ -391,8 +391,9 @@ class SmolVLAPolicy(PreTrainedPolicy):
     def forward(self, batch: dict[str, Tensor], noise: Tensor | None = None, time: Tensor | None = None,
                 reduction: str = "mean") -> tuple[Tensor, dict[str, Tensor]]:
         """LeRobot's SmolVLA loss: the squared velocity error over the dataset's action dims, the steps past the
-        episode end (``action_is_pad``) zeroed, divided by (valid steps x action dims), and a dataset mixture's
-        padded dims (``ACTION_DIM_PAD_KEY``) left out of both (see :func:`reduce_action_losses`); ``reduction="none"``
+        episode end (``action_is_pad``) zeroed, divided by (valid steps x action dims); a dataset mixture's batch
+        (``ACTION_DIM_PAD_KEY``) is the mean of each sample's mean over its real steps and dims (see
+        :func:`reduce_action_losses`); ``reduction="none"``
         gives it per sample (B,). ``noise`` (B, chunk, max_action_dim) and ``time`` (B,) replace the random draws."""
         self._require_keys(batch, need_action=True)
         actions = pad_vector(zero_padded_action_dims(batch, batch["action"]), self.config.max_action_dim)
