@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lerobot_mg.data.cache import fsync
 from lerobot_mg.errors import ConfigError
 from lerobot_mg.run_facts import Progress, RunFacts, from_dict
 
@@ -125,11 +126,7 @@ class RunLedger:
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
-            directory = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            fsync(self.path.parent)
 
     def close(self) -> None:
         if self._file is not None:

@@ -93,15 +93,6 @@ class DiskGuard:
                 "output_dir")
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename into it) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def tree_bytes(directory: Path) -> int:
     """Bytes of the files under ``directory``."""
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())

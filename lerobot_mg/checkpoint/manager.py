@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lerobot_mg.checkpoint import layout as L
-from lerobot_mg.checkpoint.disk import DiskGuard, fsync_dir, tree_bytes
+from lerobot_mg.checkpoint.disk import DiskGuard, tree_bytes
 from lerobot_mg.checkpoint.ema_files import EMAFiles
 from lerobot_mg.checkpoint.formats import AdapterFiles, CheckpointFiles, tensor_bytes
 from lerobot_mg.checkpoint.resume import write_training_step
@@ -44,6 +44,7 @@ from lerobot_mg.checkpoint.state import (
     write_json,
 )
 from lerobot_mg.config.choices import BestMetric, CheckpointFormat
+from lerobot_mg.data.cache import fsync
 from lerobot_mg.distributed.parallel_dims import ParallelDims
 from lerobot_mg.ema import ModelEMA
 from lerobot_mg.processors.mixture import save_source_processors
@@ -163,7 +164,7 @@ class CheckpointManager:
             shutil.rmtree(earlier)
             return
         os.replace(earlier, final)
-        fsync_dir(self.root)
+        fsync(self.root)
         logger.warning("Restored %s: saving that step again stopped before the new copy was in place, so the earlier "
                        "copy is kept.", final)
 
@@ -286,7 +287,7 @@ class CheckpointManager:
         if in_flight.evaluation is not None:
             write_json(training_state / L.EVAL_METRICS, in_flight.evaluation)
         write_training_step(training_state, in_flight.training_step)  # the completion marker, last
-        fsync_dir(training_state)
+        fsync(training_state)
         num_bytes = tree_bytes(tmp)
         final = self.root / name
         replaced = None
@@ -296,7 +297,7 @@ class CheckpointManager:
             # leaves it under a name the next start puts back (_remove_partial_saves), never under .tmp-.
             replaced = self.root / f"{L.REPLACED_PREFIX}{name}"
             os.replace(final, replaced)
-            fsync_dir(self.root)
+            fsync(self.root)
         try:
             os.replace(tmp, final)
         except BaseException:
@@ -307,7 +308,7 @@ class CheckpointManager:
         best = self._best()
         if best:
             self._point(L.BEST_LINK, best[0])
-        fsync_dir(self.root)
+        fsync(self.root)
         if replaced is not None:
             shutil.rmtree(replaced)
         self._prune(keep={name, *best})

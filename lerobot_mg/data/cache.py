@@ -224,7 +224,7 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
             try:
                 build(building)
                 for path in building.iterdir():  # on disk before it is published: a crash cannot leave a
-                    _fsync(path)  # published entry half written
+                    fsync(path)  # published entry half written
                 files = {path.name: path.stat().st_size for path in building.iterdir()}
                 manifest = {"format": FORMAT_VERSION, "key": key, "files": files}
                 (building / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -237,7 +237,8 @@ def entry(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], No
         yield folder
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush ``path`` to disk: a file's contents, or a directory's entries (a rename into it)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
