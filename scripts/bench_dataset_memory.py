@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, report
+from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, read_batches, report
 
 FRAMES_20M = 20_000_000
 BATCH_SIZE = 32
@@ -69,21 +69,13 @@ def _rank(rank: int, world_size: int, port: int, root: Path, batches: int) -> li
     dataset, sampler = _open(root, rank, world_size)
     open_s = time.perf_counter() - start
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=2, persistent_workers=True)
-    iterator = iter(loader)
-    next(iterator)  # the workers have started
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    items_per_s = batches * BATCH_SIZE / (time.perf_counter() - start)
-    rank_private = private_memory()
-    workers = [private_memory(worker.pid) for worker in iterator._workers]
+    items_per_s, rank_private, workers = read_batches(loader, batches, BATCH_SIZE)
     record = {"open_s": open_s, "items_per_s": items_per_s,
               "private": rank_private["Private_Clean"] + rank_private["Private_Dirty"] - base["Private_Clean"]
               - base["Private_Dirty"],
               "worker_dirty": max(worker["Private_Dirty"] for worker in workers),
               "worker_clean": max(worker["Private_Clean"] for worker in workers)}
-    del iterator, loader
+    del loader
     records = [None] * world_size
     dist.all_gather_object(records, record)
     dist.destroy_process_group()

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, report, run_on_ranks
+from benchmarking import BENCH_DIR, BenchResult, GoalIs, private_memory, read_batches, report, run_on_ranks
 from synthetic_dataset import write_state_dataset
 
 from lerobot_mg.config.choices import DatasetName
@@ -139,19 +139,12 @@ def _rank(rank: int, world_size: int, port: int, roots: list[Path], batches: int
     ordered = above_base(private_memory())
     loader = torch.utils.data.DataLoader(mixture, batch_sampler=sampler, num_workers=2, persistent_workers=True,
                                          collate_fn=mixture.collate)  # as the run's loader (lerobot_mg.data.loader)
-    iterator = iter(loader)
-    next(iterator)  # the workers have started
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    items_per_s = batches * BATCH_SIZE / (time.perf_counter() - start)
-    read = above_base(private_memory())
-    workers = [private_memory(worker.pid) for worker in iterator._workers]
+    items_per_s, rank_memory, workers = read_batches(loader, batches, BATCH_SIZE)
+    read = above_base(rank_memory)
     record = {"open_s": open_s, "order_s": order_s, "items_per_s": items_per_s, "opened": opened, "ordered": ordered,
               "read": read, "worker_dirty": max(worker["Private_Dirty"] for worker in workers),
               "worker_clean": max(worker["Private_Clean"] for worker in workers)}
-    del iterator, loader
+    del loader
     records = [None] * world_size
     dist.all_gather_object(records, record)
     dist.destroy_process_group()

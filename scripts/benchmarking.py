@@ -118,6 +118,19 @@ def private_memory(pid: int | str = "self") -> dict[str, int]:
     return {name: 1024 * int(fields[name].split()[0]) for name in ("Private_Clean", "Private_Dirty")}
 
 
+def read_batches(loader: Any, batches: int, batch_size: int) -> tuple[float, dict[str, int], list[dict[str, int]]]:
+    """Start ``loader``'s workers, wait for every rank (a gloo group), then read ``batches`` batches as a run does:
+    (items per second of this rank, its private memory then, each worker's). The workers stop on return."""
+    iterator = iter(loader)
+    next(iterator)  # the workers have started
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    items_per_s = batches * batch_size / (time.perf_counter() - start)
+    return items_per_s, private_memory(), [private_memory(worker.pid) for worker in iterator._workers]
+
+
 def _run_then_release(worker: Callable[..., Any], rank: int, world_size: int, port: int, *args: Any) -> None:
     *worker_args, queue = args
     result = worker(rank, world_size, port, *worker_args)
