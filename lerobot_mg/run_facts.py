@@ -189,12 +189,20 @@ class RunFacts:
     # was read (root, repo_id, revision), its data (fingerprint, num_frames, num_episodes, fps) and its weight (the
     # normalised probability of drawing from it). None: a single dataset.
     mixture: list[dict] | None = None
+    # The model FLOPs of one training sample, forward + backward, counted once per start on the meta device without
+    # activation recomputation (lerobot_mg.accounting.throughput.training_flops_per_sample); None: not counted.
+    flops_per_sample: int | None = None
+    # The device each rank trains on, which MFU is measured against: name (torch.cuda.get_device_name, or the device
+    # type: cpu), precision (bf16 | fp16 | tf32 | fp32, the run's compute precision) and peak_flops (its dense peak
+    # FLOP/s; None on a CPU or a GPU the table does not list: no MFU). None: not recorded (an older run).
+    device: dict | None = None
 
     @classmethod
     def collect(cls, cfg: TrainConfig, dims: ParallelDims, *, dataset_fingerprint: str, lr_schedule: dict,
                 model: dict, rank_bytes: Sequence[dict], resumed: tuple[Path, RunFacts] | None,
                 resume_cause: ResumeCause | None, dataset_source: dict | None = None,
-                mixture: Sequence[dict] | None = None) -> RunFacts:
+                mixture: Sequence[dict] | None = None, flops_per_sample: int | None = None,
+                device: dict | None = None) -> RunFacts:
         """The facts of this start (the code revision is asked of git here, once per start); ``resumed``: the
         checkpoint this start continues and the facts of the start that wrote it; ``mixture``: the sources of a
         dataset mixture (``MixtureDataset.facts()``), None for a single dataset."""
@@ -207,17 +215,20 @@ class RunFacts:
             continuation=None if resumed is None else Continuation.of_resume(resumed[1].batch, batch),
             resume_cause=None if resumed is None else resume_cause, dataset_source=dataset_source,
             mixture=None if mixture is None else [dict(source) for source in mixture],
+            flops_per_sample=flops_per_sample, device=device,
         )
 
     def changes_since(self, before: RunFacts) -> tuple[FactChange, ...]:
         """The facts that differ from ``before``'s (the start this one resumed). Where from, how exactly and why a
         start resumed differ by nature; the bytes per rank follow from the model and the topology. A mixture
         changes when a source is added, removed or moved, or its data or weight changes (``mixture_differences``),
-        not when a source is read from another place."""
+        not when a source is read from another place. The FLOPs per sample follow from the model and the code."""
         compared = [f.name for f in fields(self) if f.name not in (
-            "rank_bytes", "resumed_from", "continuation", "resume_cause")]
+            "rank_bytes", "resumed_from", "continuation", "resume_cause", "flops_per_sample")]
 
         def changed(name: str) -> bool:
+            if name == "device" and None in (before.device, self.device):
+                return False  # a start of an older version did not record it
             if name == "mixture":
                 return bool(mixture_differences(before.mixture, self.mixture, ordered=True))
             return _compared(before, name) != _compared(self, name)
@@ -231,7 +242,9 @@ class RunFacts:
                 f"precision: {self.precision}  checkpoint format: {self.checkpoint_format}",
                 f"code: {self.code_revision.describe()}  dataset: {self.dataset_fingerprint}{self._source()}",
                 f"lr schedule: {describe(self.lr_schedule)}",
-                *([f"mixture: {describe_mixture(self.mixture)}"] if self.mixture is not None else [])]
+                *([f"mixture: {describe_mixture(self.mixture)}"] if self.mixture is not None else []),
+                f"model FLOPs per sample (forward + backward): {describe_count(self.flops_per_sample, 'FLOP')}  "
+                f"device: {describe_device(self.device)}"]
 
     def _source(self) -> str:
         source = self.dataset_source
@@ -241,6 +254,28 @@ class RunFacts:
         at = f"@{commit[:12]}" if commit else " (commit unknown)"
         asked = f", revision {source['revision']}" if source.get("revision") else ""
         return f" ({source.get('repo_id') or 'a Hub download'}{at}{asked}, {source['how']}: {source['root']})"
+
+
+def describe_count(count: float | None, unit: str) -> str:
+    """``9.84 TFLOP``-style: a count in the largest SI prefix that leaves a number >= 1; ``not counted`` for None."""
+    if count is None:
+        return "not counted"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(count) >= scale:
+            return f"{count / scale:.3g} {prefix}{unit}"
+    return f"{count:.3g} {unit}"
+
+
+def describe_device(device: dict | None) -> str:
+    """The device MFU is measured against, with its peak."""
+    if device is None:
+        return "not recorded"
+    peak = device.get("peak_flops")
+    if peak is not None:
+        return f"{device['name']}, peak {describe_count(peak, 'FLOP/s')} {device['precision']}"
+    if device["name"] == "cpu":
+        return "cpu (no MFU)"
+    return f"{device['name']} ({device['precision']}: not in the peak table, no MFU)"
 
 
 def _compared(facts: RunFacts, name: str) -> Any:

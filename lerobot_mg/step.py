@@ -7,7 +7,8 @@ once per window, as before.
 
 A step never waits for the device: its losses, gradient norm and skip flag stay device tensors
 (:class:`StepLogs`), summed between log steps and read there (lerobot_mg.tracking). The one exception is torch's
-fp16 loss scaler, whose ``step()`` reads the overflow flag once per optimizer update.
+fp16 loss scaler, whose ``step()`` reads the overflow flag once per optimizer update. The marks that time its
+phases (preprocessing, update: lerobot_mg.accounting.throughput) are CUDA events on a GPU, read at log steps too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from lerobot_mg.accounting.throughput import Mark, StepClock
 from lerobot_mg.config.schema import EMAConfig
 from lerobot_mg.distributed.accelerator import ignored_trainable_params, sync_found_inf, sync_ignored_grads
 from lerobot_mg.distributed.parallel_dims import Layout, ParallelDims
@@ -45,6 +47,9 @@ class StepLogs:
     grad_norm: float | torch.Tensor = field(default=math.nan, init=False)  # a device tensor when clipping
     # The learning rate this step's update used (before the scheduler stepped).
     lr: float = field(default=math.nan, init=False)
+    # When the step began, its forward began (the batch on the device, preprocessed) and its update ended
+    # (lerobot_mg.accounting.throughput.StepClock: CUDA events on a GPU, read only at log steps).
+    marks: tuple[Mark, Mark, Mark] | None = field(default=None, init=False)
 
 
 # Read on the host by the policies (per-sample generators): on the device, reading them would wait for it.
@@ -88,6 +93,7 @@ class Stepper:
         # HSDP accumulates each micro-batch's reduce-scattered shard within its replica and all-reduces across the
         # replicas once per window (lerobot_mg.distributed.accelerator.accumulation_plugin).
         self.defer_replica_reduce = dims.layout is Layout.HSDP and accelerator.gradient_accumulation_steps > 1
+        self.clock = StepClock(accelerator.device)
 
     @property
     def lr(self) -> float:
@@ -95,7 +101,9 @@ class Stepper:
 
     def step(self, batch: dict[str, Any]) -> StepLogs:
         acc = self.accelerator
+        began = self.clock.mark()
         batch = self.preprocessor(to_device(batch, acc.device, self.uint8_keys))
+        forward_began = self.clock.mark()
         logs = StepLogs()
         with acc.accumulate(self.model):
             if self.defer_replica_reduce:
@@ -113,6 +121,7 @@ class Stepper:
                 self.ema.update()  # local to each rank's shards, no host sync
             if logs.synced and scale_before is not None:
                 logs.skipped = acc.scaler._get_scale_async() < scale_before  # it backs off exactly on a skip
+        logs.marks = (began, forward_began, self.clock.mark())
         logs.lr = self.lr
         if self.scheduler is not None:
             with warnings.catch_warnings():

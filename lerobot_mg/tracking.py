@@ -25,6 +25,14 @@ from lerobot_mg.accounting.ledger import (
     StartRecord,
     UpdateDigest,
 )
+from lerobot_mg.accounting.throughput import (
+    PHASE_KEYS,
+    PhaseTimes,
+    compute_precision,
+    model_flops_utilisation,
+    peak_flops_of,
+    training_flops_per_sample,
+)
 from lerobot_mg.checkpoint.resume import ResumePoint
 from lerobot_mg.config.choices import MixtureStats
 from lerobot_mg.config.schema import LoggingConfig, TrackioConfig, TrainConfig
@@ -154,6 +162,9 @@ class RunTracker:
         self.trackers = Trackers(logging.wandb, trackio or TrackioConfig(), output_dir, dims.is_main_process,
                                  f"{run_config['job_name']}-{output_dir.name}", run_config)
         self.interval = IntervalMetrics(dims, device)
+        self.phases, self.rank, self.world_size = PhaseTimes(), dims.rank, dims.world_size
+        # MFU's denominator: the device's peak in the run's precision (None on a CPU or an unlisted GPU).
+        self._peak_flops = (facts.device or {}).get("peak_flops")
         self.digests = LoaderDigests(facts.batch, dims.rank) if logging.record_sample_digests else None
         self.draws = (SourceDraws([source["name"] for source in facts.mixture], facts.batch.samples_per_loop_step)
                       if facts.mixture is not None else None)
@@ -184,6 +195,7 @@ class RunTracker:
         self._lr = logs.lr
         p.samples_seen += self.facts.batch.samples_per_loop_step
         self.interval.add({**logs.losses, DATA_WAIT_KEY: data_wait_s}, len(index_B))
+        self.phases.add(data_wait_s, logs.marks)
         self._interval_steps += 1
         if self.digests is not None:
             self.digests.add(index_B)
@@ -197,14 +209,25 @@ class RunTracker:
         if log_step:
             self.end_interval()
         if self._progress is not None:
-            self._progress.step_done(data_wait_s, self.last_metrics["loss"], force_line=log_step)
+            self._progress.step_done(data_wait_s, self.last_metrics["loss"], force_line=log_step,
+                                     mfu=self.last_metrics.get("mfu"))
 
     def end_interval(self) -> None:
         """Reduce and record the interval so far (nothing if it is empty). Collective: every rank calls it at the
         same loop step."""
         if self.interval.is_empty:
             return
-        reduced, summed = self.interval.reduce(self.digests.pack() if self.digests is not None else [])  # collective
+        # Each phase's mean seconds per loop step on this rank: the slowest rank's in the ledger, and rank 0's
+        # (summed over ranks, the others adding 0.0), which LeRobot's logs show alone.
+        phases = self.phases.take(self._interval_steps)
+        packed = self.digests.pack() if self.digests is not None else []
+        rank0 = [phases[key] if self.rank == 0 else 0.0 for key in PHASE_KEYS]
+        reduced, summed = self.interval.reduce(packed + rank0, maxima=phases)  # collective
+        reduced.update({f"{key}_rank0": value for key, value in zip(PHASE_KEYS, summed[len(packed):])})
+        reduced["samples_per_s_per_device"] = reduced["samples_per_s"] / self.world_size
+        if self.facts.flops_per_sample is not None and self._peak_flops is not None:
+            reduced["mfu"] = model_flops_utilisation(self.facts.flops_per_sample, reduced["samples_per_s_per_device"],
+                                                     self._peak_flops)
         self.progress.skipped_updates += int(self._skipped)  # the flags were agreed across ranks at each update
         self._skipped, self._last_grad_norm = 0, float(self._last_grad_norm)
         reduced["lr"] = self._lr
@@ -215,7 +238,7 @@ class RunTracker:
         self._interval_steps, self._interval_start = 0, time.perf_counter()
         if math.isfinite(self._last_grad_norm):  # the last update's (clipping off: not computed)
             reduced["grad_norm"] = self._last_grad_norm
-        updates = self.digests.unpack(summed) if self.digests is not None else ()
+        updates = self.digests.unpack(summed[:len(packed)]) if self.digests is not None else ()
         sources = self.draws.take() if self.draws is not None else {}
         p = self.progress
         self.ledger.write(IntervalRecord(time.time(), replace(p), time.perf_counter() - self._start,
@@ -254,11 +277,11 @@ class ProgressDisplay:
     """Training progress on stdout (main process). On a terminal, a bar; otherwise (a SLURM job's .out file, a
     redirect) one plain line every ``log_every_s`` seconds and at every log step, which a log file can hold::
 
-        train step 300/2000 (15%) | samples 2400 | updates 300 | loss 0.4312 | 81.2 samples/s | data wait 3% | ETA 0:00:21
+        train step 300/2000 (15%) | samples 2400 | updates 300 | loss 0.4312 | 81.2 samples/s | data wait 3% | MFU 41.2% | ETA 0:00:21
 
-    The loss is the last log step's (reading the current one would cost a host sync per step); samples/s and the
-    share of time spent waiting for data are this process's, since the previous line. ``clock`` is injectable for
-    tests."""
+    The loss and the MFU (where known: a GPU the peak table lists) are the last log step's (reading the current
+    loss would cost a host sync per step); samples/s and the share of time spent waiting for data are this
+    process's, since the previous line. ``clock`` is injectable for tests."""
 
     def __init__(self, total_steps: int, progress: Progress, samples_per_step: int, log_every_s: float,
                  terminal: bool | None = None, clock: Callable[[], float] = time.monotonic):
@@ -274,20 +297,20 @@ class ProgressDisplay:
             self._bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stdout)
 
-    def step_done(self, data_wait_s: float, loss: float, force_line: bool) -> None:
-        """After each loop step; ``force_line`` at a log step (a new ``loss``)."""
+    def step_done(self, data_wait_s: float, loss: float, force_line: bool, mfu: float | None = None) -> None:
+        """After each loop step; ``force_line`` at a log step (a new ``loss`` and ``mfu``)."""
         if self._bar is not None:
             if force_line:
-                self._bar.set_postfix(loss=f"{loss:.4f}")
+                self._bar.set_postfix(loss=f"{loss:.4f}", **({"MFU": f"{100 * mfu:.1f}%"} if mfu is not None else {}))
             self._bar.update(1)
             return
         self._line_wait += data_wait_s
         now = self.clock()
         if force_line or now - self._line_time >= self.log_every_s:
-            print(self._line(now, loss), flush=True)
+            print(self._line(now, loss, mfu), flush=True)
             self._line_time, self._line_step, self._line_wait = now, self.progress.step, 0.0
 
-    def _line(self, now: float, loss: float) -> str:
+    def _line(self, now: float, loss: float, mfu: float | None = None) -> str:
         p, window = self.progress, max(now - self._line_time, 1e-9)
         rate = (p.step - self._line_step) * self.samples_per_step / window
         steps_per_s = (p.step - self._first_step) / max(now - self._start, 1e-9)
@@ -296,12 +319,27 @@ class ProgressDisplay:
             f"train step {p.step}/{self.total_steps} ({100 * p.step // max(self.total_steps, 1)}%)",
             f"samples {p.samples_seen}", f"updates {p.optimizer_updates}",
             f"loss {loss:.4f}" if math.isfinite(loss) else "loss -",  # none before the first log step
-            f"{rate:.1f} samples/s", f"data wait {100 * self._line_wait / window:.0f}%", f"ETA {eta}",
+            f"{rate:.1f} samples/s", f"data wait {100 * self._line_wait / window:.0f}%",
+            *([f"MFU {100 * mfu:.1f}%"] if mfu is not None else []), f"ETA {eta}",
         ])
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def count_flops_per_sample(meta_model: torch.nn.Module, batch_size: int, is_main: bool) -> int | None:
+    """The model FLOPs of one training sample (``RunFacts.flops_per_sample``), counted on ``meta_model`` (the run's
+    policy on the meta device); None, said once on the main process, where it cannot be counted (no MFU then)."""
+    flops, how = training_flops_per_sample(meta_model, batch_size)
+    if flops is None and is_main:
+        logger.warning("Model FLOPs per sample %s: the ledger records no MFU.", how)
+    return flops
+
+
+def device_facts(device: torch.device, mixed_precision: str, model: torch.nn.Module) -> dict[str, Any]:
+    """``RunFacts.device``: the device, the run's compute precision and the device's peak FLOP/s in it."""
+    return peak_flops_of(device, compute_precision(str(mixed_precision), model))
 
 
 def describe_eval(progress: Progress, metrics: EvalMetrics, seconds: float) -> str:

@@ -139,7 +139,7 @@ def train_consumption(root: Path, num_cameras: int, steps: int, run_dir: Path) -
         "OMP_NUM_THREADS", "1")}, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     metrics = [r for r in records if r["kind"] == "interval"][-1]["metrics"]
-    return metrics["samples/s"] / (1 - metrics["data_frac"]), metrics["data_frac"]
+    return metrics["samples_per_s"] / (1 - metrics["data_frac"]), metrics["data_frac"]
 
 
 def main() -> None:

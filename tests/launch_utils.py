@@ -306,5 +306,5 @@ def weights_at(run_dir: Path, step: int) -> dict:
 
 def interval_metrics(run_dir: Path) -> list[dict]:
     """The ledger's interval records of the effective run, flat: step and the other counters, wall time since the
-    attempt started, and the metrics reduced across ranks (loss, lr, grad_norm, samples/s, ...)."""
+    attempt started, and the metrics reduced across ranks (loss, lr, grad_norm, samples_per_s, ...)."""
     return [{**asdict(r.progress), "wall_time_s": r.wall_time_s, **r.metrics} for r in read_ledger(run_dir).intervals]

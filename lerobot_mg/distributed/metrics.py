@@ -33,10 +33,14 @@ class IntervalMetrics:
     def is_empty(self) -> bool:
         return self._num_steps == 0
 
-    def reduce(self, exact_sums: list[float] | None = None) -> tuple[dict[str, float], list[float]]:
-        """Loss-like values averaged over ranks and steps; ``samples/s`` cluster-wide; and ``exact_sums`` (integers
-        below 2**53, e.g. digest halves) summed over ranks in the same all-reduce. Collective: every rank must call
-        it at the same loop step, with as many ``exact_sums``. Resets the interval."""
+    def reduce(self, exact_sums: list[float] | None = None,
+               maxima: dict[str, float] | None = None) -> tuple[dict[str, float], list[float]]:
+        """Loss-like values averaged over ranks and steps; ``samples_per_s`` cluster-wide; ``exact_sums`` (integers
+        below 2**53, e.g. digest halves, or a value only one rank gives, the others 0.0) summed over ranks in the same
+        all-reduce; ``maxima`` (one rank's figures, the same keys on every rank) as their maximum over ranks, in one
+        all-reduce with the interval's peak device memory (``peak_device_memory_gb``, CUDA only). Collective: every
+        rank must call it at the same loop step, with as many ``exact_sums`` and the same ``maxima`` keys. Resets the
+        interval."""
         keys, extra = sorted(self._sums), list(exact_sums or [])
         on_device = {i: self._sums[k] for i, k in enumerate(keys) if isinstance(self._sums[k], torch.Tensor)}
         packed = torch.tensor(
@@ -53,12 +57,19 @@ class IntervalMetrics:
         values = packed.tolist()
         total_steps, total_samples = values[-2], values[-1]
         out = {k: values[i] / max(total_steps, 1.0) for i, k in enumerate(keys)}
-        out["samples/s"] = total_samples / max(elapsed, 1e-9)
-        if self.device.type == "cuda":  # the largest peak over ranks
-            peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 1e9], device=self.device)
+        out["samples_per_s"] = total_samples / max(elapsed, 1e-9)
+        largest = dict(maxima or {})
+        if self.device.type == "cuda":  # the interval's peak: reset for the next one below
+            largest["peak_device_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if largest:
+            keys_max = sorted(largest)
+            packed_max = torch.tensor([largest[k] for k in keys_max], dtype=torch.float64, device=self.device)
             if self.dims.is_distributed:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            out["gpu_peak_memory_gb"] = round(peak.item(), 3)
+                dist.all_reduce(packed_max, op=dist.ReduceOp.MAX)
+            out.update(zip(keys_max, packed_max.tolist()))
+        if "peak_device_memory_gb" in out:
+            out["peak_device_memory_gb"] = round(out["peak_device_memory_gb"], 3)
         self._sums, self._num_steps, self._num_samples = {}, 0, 0
         self.start = time.perf_counter()
         return out, values[len(keys) : len(keys) + len(extra)]

@@ -120,7 +120,7 @@ print(json.dumps({{"runs": [r.name for r in runs], "group": config.get("_Group")
     assert found["runs"] == [name]  # one run across both starts
     assert found["group"] == GROUP and found["facts"]["effective_batch_size"] == 8
     ledger = interval_metrics(run_dir)
-    keys = ("loss", "lr", "samples_seen", "optimizer_updates", "samples/s", "data_wait_s", "grad_norm")
+    keys = ("loss", "lr", "samples_seen", "optimizer_updates", "samples_per_s", "data_wait_s", "grad_norm")
     assert [row["step"] for row in found["logs"]] == [m["step"] for m in ledger] == [2, 4, 6, 8]
     for row, m in zip(found["logs"], ledger, strict=True):
         assert {k: row[k] for k in keys} == {k: m[k] for k in keys}, row["step"]
