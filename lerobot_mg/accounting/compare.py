@@ -14,6 +14,7 @@ same run twice, so it is held fixed when the runs' unrounded figures lie within 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -30,6 +31,8 @@ from lerobot_mg.run_facts import (
     Progress,
     RunFacts,
     describe,
+    describe_count,
+    describe_device,
     describe_mixture,
     mixture_differences,
     percent,
@@ -143,6 +146,87 @@ def source_exposure(record: RunRecord) -> tuple[SourceExposure, ...]:
                  for name, drawn in samples.items())
 
 
+# Ledgers written before the figures were renamed: the new key, then the old one.
+OLD_METRIC_KEYS = {"samples_per_s": "samples/s", "peak_device_memory_gb": "gpu_peak_memory_gb"}
+PHASES = ("dataloading_s", "preprocessing_s", "update_s")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One run's throughput figures (lerobot_mg.accounting.throughput), each the median over its intervals, the
+    first interval of each start left out when that start logged more (it holds the start-up: DataLoader workers,
+    compilation, the allocator's first growth); peak device memory the largest of every interval. None: no interval
+    recorded it (a CPU has no MFU nor peak memory; an older ledger no phases)."""
+
+    samples_per_s: float | None  # the cluster's
+    samples_per_s_per_device: float | None
+    mfu: float | None
+    # Seconds per loop step: the slowest rank's, and rank 0's (what LeRobot logs).
+    dataloading_s: float | None
+    dataloading_s_rank0: float | None
+    preprocessing_s: float | None
+    preprocessing_s_rank0: float | None
+    update_s: float | None
+    update_s_rank0: float | None
+    peak_device_memory_gb: float | None  # the largest over ranks and intervals
+    flops_per_sample: tuple[int | None, ...]  # per distinct start value (model FLOPs, forward + backward)
+    devices: tuple[str, ...]  # what each start trained on, in order (distinct)
+
+
+def run_throughput(record: RunRecord) -> Throughput:
+    """The throughput figures of ``record``'s effective run."""
+    steady = []
+    for segment in record.effective_segments:
+        kept = segment.intervals[1:] if len(segment.intervals) > 1 else segment.intervals
+        world_size = segment.start.facts.topology.world_size
+        for interval in kept:
+            metrics = {key: interval.metrics.get(key, interval.metrics.get(OLD_METRIC_KEYS.get(key, key)))
+                       for key in (*OLD_METRIC_KEYS, "samples_per_s_per_device", "mfu", *PHASES,
+                                   *(f"{phase}_rank0" for phase in PHASES))}
+            if metrics["samples_per_s_per_device"] is None and metrics["samples_per_s"] is not None:
+                metrics["samples_per_s_per_device"] = metrics["samples_per_s"] / world_size
+            steady.append(metrics)
+
+    def median(key: str) -> float | None:
+        values = [metrics[key] for metrics in steady if metrics[key] is not None]
+        return statistics.median(values) if values else None
+
+    peaks = [peak for interval in record.intervals if (peak := interval.metrics.get(
+        "peak_device_memory_gb", interval.metrics.get(OLD_METRIC_KEYS["peak_device_memory_gb"]))) is not None]
+    facts = [segment.start.facts for segment in record.effective_segments]
+    return Throughput(
+        *(median(key) for key in ("samples_per_s", "samples_per_s_per_device", "mfu", "dataloading_s",
+                                  "dataloading_s_rank0", "preprocessing_s", "preprocessing_s_rank0", "update_s",
+                                  "update_s_rank0")),
+        max(peaks) if peaks else None, distinct([f.flops_per_sample for f in facts]),
+        distinct([describe_device(f.device) for f in facts]))
+
+
+def throughput_rows(runs: Sequence[RunSummary]) -> list[tuple[str, tuple[str, ...]]]:
+    """The comparison table's throughput rows, one cell per run (``-``: not recorded)."""
+
+    def cells(figure: Any) -> tuple[str, ...]:
+        return tuple(figure(run.throughput) for run in runs)
+
+    def number(value: float | None, spec: str = ".4g") -> str:
+        return "-" if value is None else format(value, spec)
+
+    def phase(name: str) -> Any:
+        return lambda t: ("-" if getattr(t, name) is None else
+                          f"{number(getattr(t, name))} (rank 0 {number(getattr(t, f'{name}_rank0'))})")
+
+    return [("samples/s (cluster)", cells(lambda t: number(t.samples_per_s))),
+            ("samples/s per device", cells(lambda t: number(t.samples_per_s_per_device))),
+            ("MFU", cells(lambda t: "-" if t.mfu is None else f"{100 * t.mfu:.3g} %")),
+            ("data wait s/step, slowest rank", cells(phase("dataloading_s"))),
+            ("preprocessing s/step, slowest rank", cells(phase("preprocessing_s"))),
+            ("update s/step, slowest rank", cells(phase("update_s"))),
+            ("peak device memory (GB)", cells(lambda t: number(t.peak_device_memory_gb, ".3f"))),
+            ("model FLOPs per sample", cells(lambda t: " -> ".join(describe_count(f, "FLOP")
+                                                                    for f in t.flops_per_sample))),
+            ("device", cells(lambda t: " -> ".join(t.devices)))]
+
+
 class DataMismatch(str, Enum):
     """Why two runs did not train on the same data."""
 
@@ -234,6 +318,7 @@ class RunSummary:
     wall_time_s: float
     compute_budget_worker_s: float
     exposure: tuple[SourceExposure, ...] = ()  # per source of a dataset mixture; empty for a single dataset
+    throughput: Throughput | None = None  # samples/s, MFU, per-step phase seconds, peak memory (run_throughput)
 
 
 @dataclass(frozen=True)
@@ -335,7 +420,7 @@ def summarize_run(record: RunRecord, label: str, shared_loop_step: int) -> RunSu
         *counts_at(record, shared_loop_step), None if final is None else final.metrics["lr"],
         None if final is None else final.metrics["loss"], record.total_wall_time_s,
         sum(s.intervals[-1].wall_time_s * s.start.facts.topology.world_size for s in effective if s.intervals),
-        source_exposure(record),
+        source_exposure(record), run_throughput(record),
     )
 
 
@@ -393,7 +478,8 @@ def compare_runs(records: Sequence[RunRecord], tolerance: float = DEFAULT_TOLERA
             ("final lr", tuple("-" if r.final_lr is None else f"{r.final_lr:.4g}" for r in runs), False),
             ("final loss", tuple("-" if r.final_loss is None else f"{r.final_loss:.4g}" for r in runs), False),
             ("wall time (s)", tuple(clock_figure(r.wall_time_s) for r in runs), False),
-            ("compute budget (worker-s)", tuple(clock_figure(r.compute_budget_worker_s) for r in runs), False)]
+            ("compute budget (worker-s)", tuple(clock_figure(r.compute_budget_worker_s) for r in runs), False),
+            *((name, cells, False) for name, cells in throughput_rows(runs))]
 
     def listing(values: Sequence[Any]) -> str:
         return ", ".join(f"{label} {value}" for label, value in zip(labels, values))

@@ -27,6 +27,9 @@ from lerobot_mg.accounting.compare import (
 )
 from lerobot_mg.accounting.ledger import RunRecord
 
+THROUGHPUT_NOTE = ("throughput rows: medians over each run's log intervals, the first of each start left out; seconds "
+                   "are per loop step, the slowest rank's with rank 0's beside them; MFU only on a GPU the peak table "
+                   "lists (docs/comparing-runs.md)")
 _CURVE_AXES = (("step", "loop steps"), ("samples_seen", "sample presentations"),
                ("optimizer_updates", "optimizer updates"))
 
@@ -99,7 +102,7 @@ def format_text(comparison: Comparison, check: ResumeCheck | None) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     out.insert(1, "-+-".join("-" * width for width in widths))
-    out += ["", *comparability_lines(comparison), "", *held_fixed_lines(comparison),
+    out += [THROUGHPUT_NOTE, "", *comparability_lines(comparison), "", *held_fixed_lines(comparison),
             *(f"  {d}" for d in comparison.differences)]
     if evals := eval_lines(comparison):
         out += ["", "best evaluations:", *(f"  {line}" for line in evals)]
@@ -123,7 +126,7 @@ def format_markdown(comparison: Comparison, check: ResumeCheck | None, plot_name
     if plot_name is not None:
         out.append(f"![learning curves against loop steps, sample presentations and optimizer updates]({plot_name})")
     out += ["", "</td></tr></table>", "", "`~` marks a count derived from the batch arithmetic (no interval ended "
-            "at that step).", "", "## What was held fixed", ""]
+            f"at that step); {THROUGHPUT_NOTE}.", "", "## What was held fixed", ""]
     out += [f"- {text}" for text in [*held_fixed_lines(comparison), *comparison.differences]]
     if evals := eval_lines(comparison):
         out += ["", "## Best evaluations", "", *(f"- {line}" for line in evals)]
