@@ -233,7 +233,8 @@ class Evaluator:
         self.val = None
         if val_episodes:  # read as the training dataset is: the policy's features, images as uint8
             val = LeRobotDataset(meta, delta_timestamps(cfg.policy, meta.features, meta.fps), val_episodes,
-                                 keys=[*policy.input_features, *policy.output_features], uint8_visuals=True)
+                                 keys=cfg.policy.data_keys([*policy.input_features, *policy.output_features],
+                                                           meta.features), uint8_visuals=True)
             self.val = ValidationBatches(val, ev.val_batch_size or cfg.batch_size, cfg.seed, ev.val_batches)
         self.seeds = list(range(ev.seed_start, ev.seed_start + ev.n_episodes))
         self.final: dict[str, Any] | None = None

@@ -236,7 +236,7 @@ def check_mixture(cfg: TrainConfig, dp_world_size: int, env: Mapping[str, str] |
         found_at.append(found)
         num_samples += sum(lengths.values())
     plan = plan_mixture(data, metas, cfg.policy, found_at)
-    features_from_dataset(plan.features, cfg.policy.observation_keys)  # policy.observation_keys no source has
+    cfg.policy.check_features(*features_from_dataset(plan.features, cfg.policy.observation_keys))
     _check_samples(cfg, dp_world_size, num_samples, "dataset.sources", [s.name for s in plan.sources], "the mixture")
     return plan, EpisodeSplit(None, [])
 
@@ -284,7 +284,7 @@ def check_dataset(cfg: TrainConfig, dp_world_size: int, root: Path) -> tuple[Dat
            if cfg.dataset.name == DatasetName.embedded
            else "dataset.root=<a LeRobot v3.0 dataset directory containing meta/info.json>")
     meta = DatasetMeta.read(root, fix)
-    features_from_dataset(meta.features, cfg.policy.observation_keys)  # policy.observation_keys it lacks
+    cfg.policy.check_features(*features_from_dataset(meta.features, cfg.policy.observation_keys))
     split = split_episodes(meta, cfg.dataset.episodes, cfg.dataset.val_episodes)
     lengths = meta.lengths(split.train)
     _check_lengths(cfg, lengths, DATASET_SCOPE)
@@ -308,7 +308,7 @@ def open_training_data(cfg: TrainConfig, meta: DatasetMeta | MixturePlan, split:
         if cleaned.unused or cleaned.abandoned:
             logger.info("dataset cache: removed %d entries unused for %g days and %d folders of killed builds",
                         len(cleaned.unused), days, len(cleaned.abandoned))
-    keys = [*policy.input_features, *policy.output_features]
+    keys = cfg.policy.data_keys([*policy.input_features, *policy.output_features], meta.features)
     if isinstance(meta, MixturePlan):
         return MixtureDataset(meta, functools.partial(delta_timestamps, cfg.policy, meta.features), keys)
     deltas = delta_timestamps(cfg.policy, meta.features, meta.fps)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lerobot_mg.config.choices import NormalizationMode
-from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.policy import (
+    PolicyConfig,
+    check_padded_widths,
+    check_positive_ints,
+    empty_camera_key_names,
+)
 from lerobot_mg.config.recipe import TrainingPreset, flow_matching_preset
 from lerobot_mg.errors import config_error
 
@@ -166,6 +171,10 @@ class PI0Config(PolicyConfig):
     tokenizer_name: str | None = None
 
     @property
+    def empty_camera_keys(self) -> list[str]:
+        return empty_camera_key_names(self.empty_cameras)
+
+    @property
     def mixed_parameter_dtypes(self) -> str | None:
         return f"policy.dtype={self.dtype}" if self.dtype == "bfloat16" else None
 
@@ -202,6 +211,10 @@ class PI0Config(PolicyConfig):
     @property
     def vocab_size(self) -> int:
         return int(self.overrides_of("text").get("vocab_size", PALIGEMMA_VOCAB_SIZE))
+
+    def check_features(self, input_features: dict[str, dict], output_features: dict[str, dict]) -> None:
+        check_padded_widths({"observation.state": ("max_state_dim", self.max_state_dim),
+                             "action": ("max_action_dim", self.max_action_dim)}, {**input_features, **output_features})
 
     def check_fields(self) -> None:
         check_positive_ints({"chunk_size": self.chunk_size, "max_state_dim": self.max_state_dim,

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from lerobot_mg.config.choices import NormalizationMode
 from lerobot_mg.config.pi0 import PI0Config
+from lerobot_mg.config.policy import check_padded_widths
 
 
 def _pi05_normalization_mapping() -> dict[str, NormalizationMode]:
@@ -27,3 +28,7 @@ class PI05Config(PI0Config):
     type: str = "pi05"
     normalization_mapping: dict[str, NormalizationMode] = field(default_factory=_pi05_normalization_mapping)
     tokenizer_max_length: int = 200
+
+    def check_features(self, input_features: dict[str, dict], output_features: dict[str, dict]) -> None:
+        # The state is never padded (its bins enter the prompt, as in LeRobot): only the action's width is bounded.
+        check_padded_widths({"action": ("max_action_dim", self.max_action_dim)}, output_features)

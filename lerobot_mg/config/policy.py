@@ -9,6 +9,7 @@ trip. ``validate`` repeats the checks for a config built in Python or read from 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -42,6 +43,20 @@ def check_positive_ints(values: dict[str, int]) -> None:
 def is_repo_id(text: str) -> bool:
     """``<user or org>/<name>``, each part letters, digits, ``-``, ``_`` or ``.`` (the Hub's repo id shape)."""
     return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and ".." not in text
+
+
+def empty_camera_key_names(count: int) -> list[str]:
+    """LeRobot's names of ``count`` empty cameras: ``observation.images.empty_camera_<i>``."""
+    return [f"observation.images.empty_camera_{index}" for index in range(count)]
+
+
+def check_padded_widths(widths: dict[str, tuple[str, int]], features: dict[str, dict]) -> None:
+    """Each feature ``key`` of ``widths`` (key -> (the field it is padded to, that field's value)) is at most as wide
+    as the policy pads it to: a wider one would not fit the projection the padded vector enters."""
+    for key, (name, limit) in widths.items():
+        if key in features and (width := int(features[key]["shape"][-1])) > limit:
+            raise config_error(f"policy.{name}", limit, f"the dataset's {key} has {width} dims, more than the "
+                               f"{limit} the policy pads it to", f"policy.{name}={width}")
 
 
 def _list_override(values: list[int]) -> str:
@@ -120,6 +135,18 @@ class PolicyConfig:
         return None
 
     @property
+    def empty_camera_keys(self) -> list[str]:
+        """The cameras the policy reads that no dataset has (LeRobot's ``empty_cameras``): input features its
+        config.json lists, whose images the policy makes all -1 with mask False; none unless the policy has them."""
+        return []
+
+    def data_keys(self, policy_features: Iterable[str], dataset_features: Collection[str]) -> list[str]:
+        """The features a run reads from a dataset for a policy of ``policy_features``: all of them but the empty
+        cameras the dataset lacks, which the policy fills itself, as LeRobot's pi0, pi0.5 and SmolVLA do."""
+        empty = set(self.empty_camera_keys) - set(dataset_features)
+        return [key for key in policy_features if key not in empty]
+
+    @property
     def publishes(self) -> bool:
         """Whether the end of training uploads pretrained_model/ (a repo id is given and push_to_hub is on)."""
         return self.push_to_hub and self.repo_id is not None
@@ -159,6 +186,10 @@ class PolicyConfig:
 
     def check_fields(self) -> None:
         """The policy's own checks (a subclass overrides it); the shared fields are checked by ``validate``."""
+
+    def check_features(self, input_features: dict[str, dict], output_features: dict[str, dict]) -> None:
+        """The policy's checks of the features a dataset gives it (``{key: {"type", "shape"}}``), at start-up
+        before anything is built; a subclass overrides it."""
 
     def validate(self) -> None:
         """Raise a ConfigError naming ``policy.<field>``, the bad value and the fix."""

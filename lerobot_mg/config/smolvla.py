@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lerobot_mg.config.choices import NormalizationMode
-from lerobot_mg.config.policy import PolicyConfig, check_positive_ints
+from lerobot_mg.config.policy import (
+    PolicyConfig,
+    check_padded_widths,
+    check_positive_ints,
+    empty_camera_key_names,
+)
 from lerobot_mg.config.recipe import TrainingPreset, flow_matching_preset
 from lerobot_mg.errors import config_error
 
@@ -141,6 +146,10 @@ class SmolVLAConfig(PolicyConfig):
         return [0]
 
     @property
+    def empty_camera_keys(self) -> list[str]:
+        return empty_camera_key_names(self.empty_cameras)
+
+    @property
     def mixed_parameter_dtypes(self) -> str | None:
         return "policy.load_vlm_weights=true" if self.load_vlm_weights else None
 
@@ -151,6 +160,10 @@ class SmolVLAConfig(PolicyConfig):
     @property
     def action_delta_indices(self) -> list[int]:
         return list(range(self.chunk_size))
+
+    def check_features(self, input_features: dict[str, dict], output_features: dict[str, dict]) -> None:
+        check_padded_widths({"observation.state": ("max_state_dim", self.max_state_dim),
+                             "action": ("max_action_dim", self.max_action_dim)}, {**input_features, **output_features})
 
     def check_fields(self) -> None:
         check_positive_ints({

@@ -31,9 +31,14 @@ def validate(cfg: TrainConfig, sharded: bool) -> None:
         raise config_error("torch_threads", cfg.torch_threads, "must be >= 1 (or null for torch's default)",
                            "torch_threads=1")
 
+    if cfg.logging.log_every_s < 0:
+        raise config_error("logging.log_every_s", cfg.logging.log_every_s, "must be >= 0 (seconds between progress "
+                           "lines when stdout is no terminal)", "logging.log_every_s=30")
+
     _validate_accelerator(cfg, sharded)
     _validate_checkpoint(cfg, sharded)
     _validate_data_and_optim(cfg)
+    _validate_episodes(cfg)
     _validate_ema(cfg)
     _validate_eval(cfg)
     cfg.policy.validate()
@@ -177,6 +182,25 @@ def _validate_data_and_optim(cfg: TrainConfig) -> None:
         )
     if not 0.0 <= sched.min_lr_ratio <= 1.0:
         raise config_error("scheduler.min_lr_ratio", sched.min_lr_ratio, "must be in [0, 1]", "scheduler.min_lr_ratio=0")
+
+
+def _validate_episodes(cfg: TrainConfig) -> None:
+    """Each list of episodes names an episode once: a dataset is read per episode, so a repeat would neither weigh
+    it more nor be noticed (a typo for another episode, trained on silently)."""
+    data = cfg.dataset
+    lists = {"dataset.episodes": data.episodes,
+             "dataset.val_episodes": data.val_episodes if isinstance(data.val_episodes, list) else None,
+             **{f"dataset.sources.{i}.episodes": source.episodes for i, source in enumerate(data.sources or [])}}
+    for key, episodes in lists.items():
+        if episodes is None:
+            continue
+        episodes = list(episodes)
+        repeated = sorted({episode for episode in episodes if episodes.count(episode) > 1})
+        if repeated:
+            once = list(dict.fromkeys(episodes))
+            raise config_error(key, episodes, f"names episode{'s' if len(repeated) > 1 else ''} {repeated} more than "
+                               "once (each episode is read once, so a repeat weighs nothing)",
+                               f"{key}=[{','.join(str(episode) for episode in once)}], each episode once")
 
 
 def _validate_ema(cfg: TrainConfig) -> None:

@@ -26,12 +26,12 @@ from safetensors import safe_open
 from lerobot_mg.checkpoint import layout as L
 from lerobot_mg.config.literal import literal_values
 from lerobot_mg.config.loading import override_keys
-from lerobot_mg.config.policy import is_repo_id
+from lerobot_mg.config.policy import PolicyConfig, is_repo_id
 from lerobot_mg.config.schema import policy_config_class
 from lerobot_mg.data.hub import resolve_policy_path
 from lerobot_mg.errors import ConfigError, config_error
 from lerobot_mg.policies.base import CONFIG_NAME, FeatureSpec, features_from_dataset
-from lerobot_mg.policies.saved_config import build_config, read_saved_policy
+from lerobot_mg.policies.saved_config import SavedPolicy, build_config, read_saved_policy
 from lerobot_mg.safe_paths import contained
 
 # Fields of a base's config that say where the base itself came from or went, not how it is built: the
@@ -212,9 +212,19 @@ def stored_dtype(path: str, chain: tuple[Path, ...] = ()) -> torch.dtype:
     return floating[0] if len(floating) == 1 else torch.float32
 
 
+def _saved_config(saved: SavedPolicy, directory: Path) -> PolicyConfig:
+    """The config a base's saved values build (not validated: the run validates its own at start-up)."""
+    return build_config(policy_config_class(saved.type), {**saved.values, "type": saved.type},
+                        directory / CONFIG_NAME, validate=False)
+
+
 def check_dataset_matches(path: str, dataset_features: dict[str, dict[str, Any]]) -> None:
-    """The dataset provides every input the base reads, with the shapes it was trained on."""
-    inputs, outputs = base_features(path)
+    """The dataset provides every input the base reads (but the empty cameras, which the policy fills itself), with
+    the shapes it was trained on."""
+    saved = read_saved_policy(Path(path))
+    outputs = saved.output_features
+    read = _saved_config(saved, Path(path)).data_keys(saved.input_features, dataset_features)
+    inputs = {key: saved.input_features[key] for key in read}
     dataset_inputs, dataset_outputs = features_from_dataset(dataset_features, sorted(inputs))
     for name, (want, have) in {**{k: (inputs[k], dataset_inputs[k]) for k in inputs},
                                "action": (outputs["action"], dataset_outputs["action"])}.items():
@@ -243,15 +253,15 @@ def apply_policy_path(composed: DictConfig, overrides: list[str]) -> DictConfig:
     saved = read_saved_policy(Path(path))
     # The base's values fit its class's types (a wrong one is named here, not deep in OmegaConf); the run's config,
     # with the overrides on top, is validated at start-up.
-    build_config(policy_config_class(saved.type), {**saved.values, "type": saved.type}, Path(path) / CONFIG_NAME,
-                 validate=False)
+    base_config = _saved_config(saved, Path(path))
     if saved.type != composed.policy.type:  # the base decides the policy: its schema replaces the preset's
         composed.policy = OmegaConf.structured(policy_config_class(saved.type))
     # The base's values as literal text: a "${...}" in a downloaded config.json is never resolved (see literal_values).
     base = {f"policy.{name}": literal_values(value, Path(path) / CONFIG_NAME, f"policy.{name}") for name, value in saved.values.items()
             if name not in _RUN_OWN_FIELDS}
     if saved.values.get("observation_keys") is None:  # a LeRobot base (or ours on every input): what it reads
-        base["policy.observation_keys"] = list(saved.input_features)
+        # from the dataset (its empty cameras are no dataset's features: the policy fills them)
+        base["policy.observation_keys"] = base_config.data_keys(saved.input_features, ())
     run_own = {
         "policy.path": path,
         "policy.pretrained_path": BaseRecord.of(typed_path, resolved).name,

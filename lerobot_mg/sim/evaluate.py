@@ -82,7 +82,10 @@ class PolicyController:
         self.task = task
         self.policy = policy.to(self.device).eval()
         self.preprocessor, self.postprocessor = preprocessor.to(self.device), postprocessor.to(self.device)
-        self.image_size = check_sim_policy(self.policy.input_features, self.policy.output_features, source)
+        # What the scene gives the policy: its inputs but the empty cameras (policy.empty_cameras), which it fills.
+        read = self.policy.config.data_keys(self.policy.input_features, SUPPORTED_INPUTS)
+        self.inputs = {key: self.policy.input_features[key] for key in read}
+        self.image_size = check_sim_policy(self.inputs, self.policy.output_features, source)
 
     @classmethod
     def load(cls, pretrained_dir: Path, device: str = "cpu", merge_adapter: bool = True) -> PolicyController:
@@ -96,7 +99,7 @@ class PolicyController:
 
     def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
         batch = {}
-        for key in self.policy.input_features:
+        for key in self.inputs:
             value = torch.from_numpy(observation[key]).to(self.device)
             if key == IMAGE_KEY:
                 # Datasets decode video frames to float CHW in [0, 1]; the policy was trained on those.
