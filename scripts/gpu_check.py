@@ -1,7 +1,7 @@
 """The GPU check's driver (scripts/gpu_check.sh runs it; docs/gpu.md): parts in order of importance, each in its own
 processes under a time limit, every figure into one JSON file.
 
-    python scripts/gpu_check.py --out DIR [--budget-s 450] [--only act_bf16,pi0_bf16]
+    python3 scripts/gpu_check.py --out DIR [--budget-s 450] [--only act_bf16,pi0_bf16]
 
 A part that needs CUDA reports "skipped: no GPU" on a machine without one; a part that would start too close to the
 budget's end reports "skipped: time budget". The JSON is rewritten after every part, so a check stopped from outside
