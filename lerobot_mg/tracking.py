@@ -387,6 +387,9 @@ def print_banner(cfg: TrainConfig, facts: RunFacts, dataset: LeRobotDataset, out
         how = (f"{peft['method_type']} r={peft['r']} lora_alpha={peft['lora_alpha']:g} on {peft['target_modules']}"
                f", full training {peft['full_training_modules']}" if peft else "full fine-tuning")
         lines.append(f"  base model: {facts.model['base_model_path']} ({how})")
+        # An adapter merged into its base: each one's weights (peft.base.base_lineage), named as the one above names it.
+        lines.extend(f"    {'the adapter' if i == 0 else 'on the base'} {entry['path']}: sha256 {entry['sha256']}"
+                     for i, entry in enumerate(facts.model.get("base_lineage", ())))
     if facts.continuation is not None and facts.resume_cause is not None:
         lines.append(f"  resumed at loop step {progress.step} from {facts.resumed_from} ({facts.resume_cause.value}): "
                      f"{facts.continuation.value}")

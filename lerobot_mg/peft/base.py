@@ -132,27 +132,18 @@ def adapter_base_path(adapter_dir: Path, chain: tuple[Path, ...] = ()) -> str:
     """The base directory of the adapter in ``adapter_dir``, from its adapter_config.json.
 
     ``base_model_name_or_path`` is looked up where PEFT looks: a relative path in the current directory (a LeRobot
-    adapter records ``--policy.path`` as typed, relative to the folder training ran in), inside it and nowhere else;
-    else a Hub repo id at the recorded ``revision``, through huggingface_hub's cache. An absolute path (an adapter
-    trained on a base outside its current directory) is read only when the adapter records the digest of its base's
-    weights. Where that digest is recorded (``auto_mapping.base_model_sha256``, as lerobot_mg writes it), the base
-    found must have it: another base is refused by name. A base that leads back to the adapter (``chain``: the
-    adapters loaded on the way here) is refused."""
+    adapter records ``--policy.path`` as typed, relative to the folder training ran in), inside it and nowhere else
+    (``..`` and links out are refused); an absolute path as it is (what LeRobot records after
+    ``--policy.path=/abs/base``, and lerobot_mg for a base outside its current directory): the user named that base
+    when training, and its digest is shown and recorded by the run that reads it (:func:`base_lineage`); else a Hub
+    repo id at the recorded ``revision``, through huggingface_hub's cache. Where the adapter records the digest of its
+    base's weights (``auto_mapping.base_model_sha256``, as lerobot_mg writes it), the base found must have it:
+    another base is refused by name. A base that leads back to the adapter (``chain``: the adapters loaded on the way
+    here) is refused."""
     adapter_dir = Path(adapter_dir).resolve()
     source = adapter_dir / L.ADAPTER_CONFIG_JSON
-    try:
-        saved = json.loads(source.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{source}: is not valid JSON ({error}). Fix: the adapter_config.json PEFT wrote") from error
-    saved = saved if isinstance(saved, dict) else {}
-    recorded, revision = saved.get("base_model_name_or_path"), saved.get("revision")
-    mapping = saved.get("auto_mapping")
-    digest = mapping.get(BASE_SHA256_KEY) if isinstance(mapping, dict) else None
-    revision = revision if isinstance(revision, str) else None
-    if not isinstance(recorded, str) or not recorded:
-        raise ConfigError(f"{source}: records no base_model_name_or_path. Fix: set it to the base's pretrained_model "
-                          "directory, relative to the current directory, or to its Hub repo id")
-    base = _locate_base(recorded, revision, digest, source)
+    recorded, revision, digest = _recorded_base(source)
+    base = _locate_base(recorded, revision, source)
     if base == adapter_dir or base in chain:
         raise ConfigError(f"{source}: base_model_name_or_path={recorded!r} leads back to the adapter "
                           f"{'itself' if base == adapter_dir else base}, which would load without end. Fix: set it "
@@ -166,14 +157,40 @@ def adapter_base_path(adapter_dir: Path, chain: tuple[Path, ...] = ()) -> str:
     return str(base)
 
 
-def _locate_base(recorded: str, revision: str | None, digest: str | None, source: Path) -> Path:
+def _recorded_base(source: Path) -> tuple[str, str | None, str | None]:
+    """What an adapter_config.json says of its base: ``base_model_name_or_path``, ``revision`` and the digest of its
+    weights (None where not recorded)."""
+    try:
+        saved = json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}: is not valid JSON ({error}). Fix: the adapter_config.json PEFT wrote") from error
+    saved = saved if isinstance(saved, dict) else {}
+    recorded, revision = saved.get("base_model_name_or_path"), saved.get("revision")
+    mapping = saved.get("auto_mapping")
+    digest = mapping.get(BASE_SHA256_KEY) if isinstance(mapping, dict) else None
+    if not isinstance(recorded, str) or not recorded:
+        raise ConfigError(f"{source}: records no base_model_name_or_path. Fix: set it to the base's pretrained_model "
+                          "directory, relative to the current directory, or to its Hub repo id")
+    return recorded, revision if isinstance(revision, str) else None, digest if isinstance(digest, str) else None
+
+
+def base_lineage(path: str) -> list[dict[str, str]]:
+    """The weights the base at ``path`` (an adapter directory) is made of, from ``path`` down to the full weights
+    under it: ``{"path", "sha256"}`` each, ``path`` as the adapter above names it (the first: as resolved here). What
+    the banner shows and the run's facts record (checkpoints included), so that a base read by an absolute path that
+    no digest pins is named with the weights it held."""
+    directory, chain = Path(path).resolve(), ()
+    lineage = [{"path": str(directory), "sha256": weights_sha256(directory)}]
+    while not (directory / L.MODEL_SAFETENSORS).is_file():
+        recorded, _, _ = _recorded_base(directory / L.ADAPTER_CONFIG_JSON)
+        chain = (*chain, directory)
+        directory = Path(adapter_base_path(directory, chain))
+        lineage.append({"path": recorded, "sha256": weights_sha256(directory)})
+    return lineage
+
+
+def _locate_base(recorded: str, revision: str | None, source: Path) -> Path:
     if Path(recorded).is_absolute():
-        if digest is None:
-            raise ConfigError(
-                f"{source}: base_model_name_or_path={recorded!r} is an absolute path, read only from an adapter that "
-                f"records the digest of its base's weights ({BASE_SHA256_KEY}). Fix: set it to the base's path "
-                "relative to the current directory, or to its Hub repo id"
-            )
         if not Path(recorded).is_dir():
             raise ConfigError(f"{source}: names the base {recorded}, which is not a directory here. Fix: restore the "
                               "base there, or set base_model_name_or_path to where it now lives")

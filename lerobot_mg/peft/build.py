@@ -12,6 +12,7 @@ from lerobot_mg.config.schema import TrainConfig
 from lerobot_mg.peft.base import (
     BaseWeights,
     base_features,
+    base_lineage,
     check_dataset_matches,
     check_policy_path,
     stored_dtype,
@@ -69,6 +70,10 @@ def describe_finetune(cfg: TrainConfig, policy: nn.Module) -> dict[str, Any]:
         "base_model_path": cfg.policy.pretrained_path if cfg.policy.path is not None else None,
         "peft": None,
     }
+    if cfg.policy.path is not None and check_policy_path(cfg.policy.path) is BaseWeights.ADAPTER:
+        # An adapter merged into its own base: the weights of each, with their digests (a LeRobot adapter may name
+        # its base by an absolute path that nothing pins).
+        facts["base_lineage"] = base_lineage(cfg.policy.path)
     if cfg.peft.enabled:
         base_class = type(policy.get_base_model())  # type: ignore[operator]
         facts["peft"] = {
