@@ -49,6 +49,7 @@ COVERED_BY: list[tuple[str, str]] = [
     ("python scripts/convert_dcp.py", "tests/unit/test_convert.py::test_arguments_in_both_spellings"),
     ("python scripts/bench_", "make bench (scripts/bench_*.py: run with their defaults by `make bench`)"),
     ("python scripts/plan_table.py", "tests/unit/test_memory_plan_vla.py::test_plan_table_script_prints_the_docs_table"),
+    ("python scripts/config_table.py", "tests/unit/test_config_table.py::test_the_docs_tables_are_what_conf_gives"),
 ]
 TINY = {
     "act": ["policy.observation_keys=[observation.state]", "policy.chunk_size=10", "policy.n_action_steps=10",
