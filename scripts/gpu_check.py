@@ -436,6 +436,8 @@ def main_check(check: Check) -> None:
         check, "cpu_diffusion", "diffusion", ["experiment=pusht_debug_diffusion", data, *cpu_size,
                                               "checkpoint.save_checkpoint=false"], 150, plan=False, sync_steps=0,
         published=None))
+    check.part("cpu_rehearsal_dcp_resume", False, 60, cpu_only=True, body=lambda: dcp_resume(
+        check, ["experiment=pusht_debug", data, "batch_size=4", "log_freq=10", "num_workers=0"], async_save=False))
     check.part("diffusion_bf16", True, 50, lambda: throughput(check, "diffusion_bf16", "diffusion", diffusion, 120,
                                                               plan=False, sync_steps=9, published="diffusion"))
     check.part("dcp_resume_fsdp", True, 60, lambda: dcp_resume(check, small_act, async_save=False))
