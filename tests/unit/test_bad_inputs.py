@@ -476,6 +476,31 @@ CATALOGUE = [
     BadInput("mixture_more_ranks_than_samples", [MIXTURE, TWO_SOURCES],
              "dataset.sources=['pusht_image_slice', 'pusht_image_slice_1']: has 420 samples, fewer than the 1000 "
              "data-parallel ranks launched", "launch at most 420 processes, or a larger dataset", world_size=1000),
+    # --- episodes named twice, the progress interval ----------------------------------------------------------
+    BadInput("episodes_repeated", [*VALID, "dataset.episodes=[0,0]"],
+             "dataset.episodes=[0, 0]: names episode [0] more than once (each episode is read once, so a repeat "
+             "weighs nothing)", "dataset.episodes=[0], each episode once"),
+    BadInput("val_episodes_repeated", [*VALID, "dataset.val_episodes=[2,1,2]"],
+             "dataset.val_episodes=[2, 1, 2]: names episode [2] more than once", "dataset.val_episodes=[2,1], each "
+             "episode once"),
+    BadInput("mixture_source_episodes_repeated",
+             [MIXTURE, _sources(PUSHT_01, f"{{root: {PUSHT_SLICE}, episodes: [2, 2]}}")],
+             "dataset.sources.1.episodes=[2, 2]: names episode [2] more than once",
+             "dataset.sources.1.episodes=[2], each episode once"),
+    BadInput("log_every_s_negative", [*VALID, "logging.log_every_s=-5"],
+             "logging.log_every_s=-5.0: must be >= 0", "logging.log_every_s=30"),
+    # --- a VLA's padded vectors: a wider state or action than the policy pads to (the tiny presets on a 14-joint
+    # dataset; pi0.5 never pads its state, which enters the prompt as bins) ------------------------------------------
+    BadInput("state_wider_than_max_state_dim",
+             ["experiment=aloha_pi0_tiny", "dataset=lerobot", "dataset.root=<tmp>/aloha", "policy.chunk_size=4",
+              "policy.n_action_steps=4", "eval.n_episodes=0", "policy.max_state_dim=8"],
+             "policy.max_state_dim=8: the dataset's observation.state has 14 dims, more than the 8 the policy pads "
+             "it to", "policy.max_state_dim=14", make=_aloha_like_dataset),
+    BadInput("action_wider_than_max_action_dim",
+             ["experiment=aloha_smolvla_tiny", "dataset=lerobot", "dataset.root=<tmp>/aloha", "policy.chunk_size=4",
+              "policy.n_action_steps=4", "eval.n_episodes=0", "policy.max_action_dim=8"],
+             "policy.max_action_dim=8: the dataset's action has 14 dims, more than the 8 the policy pads it to",
+             "policy.max_action_dim=14", make=_aloha_like_dataset),
 ]
 
 
