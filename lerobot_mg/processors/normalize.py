@@ -139,7 +139,7 @@ class _NormalizationStep(ProcessorStep):
         low_name, high_name = STATS_PER_MODE[mode]
         low = self._stat(key, low_name, like)
         denom = self._stat(key, high_name, like) - low
-        return low, torch.where(denom == 0, torch.tensor(self.eps, device=like.device, dtype=like.dtype), denom)
+        return low, denom.masked_fill(denom == 0, self.eps)  # a Python float: nothing copied to the device
 
     @abc.abstractmethod
     def _apply(self, key: str, mode: NormalizationMode, x: Tensor) -> Tensor:

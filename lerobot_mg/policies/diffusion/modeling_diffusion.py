@@ -487,8 +487,10 @@ class DiffusionPolicy(PreTrainedPolicy):
 
     def _training_draws(self, batch: dict[str, Tensor], batch_size: int) -> tuple[Tensor, Tensor, Corners | None]:
         """(timesteps (B,), noise (B, horizon, A) float32, crop corners), each sample from its own seed. The crop
-        is random in training mode only (LeRobot's RandomCrop), at the centre otherwise. Host-side work: the seeds
-        stay on the host (step.HOST_KEYS) and the draws are made there, then copied to the device."""
+        is random in training mode only (LeRobot's RandomCrop), at the centre otherwise. The seeds stay on the host
+        (step.HOST_KEYS); timesteps and noise are drawn on the batch's device from a generator of that device, the
+        corners (Python ints) on the host: nothing waits for the device. On the CPU one generator draws all three
+        in turn; a GPU's generator draws other numbers from the same seed."""
         seeds = batch.get(SAMPLE_SEED_KEY)
         if seeds is None:
             seeds = torch.randint(0, 2**62, (batch_size,))
@@ -497,23 +499,24 @@ class DiffusionPolicy(PreTrainedPolicy):
         random_crop = self.training and config.crop_is_random and crop is not None and image_hw is not None
         timesteps, noises = [], []
         corners: Corners = {key: [] for key in self.image_keys}
+        device = batch["action"].device
         for seed in seeds.tolist():
-            generator = torch.Generator().manual_seed(seed)
-            timesteps.append(torch.randint(config.num_train_timesteps, (1,), generator=generator))
-            noises.append(torch.randn(config.horizon, self.action_dim, generator=generator))
+            generator = torch.Generator(device=device).manual_seed(seed)
+            timesteps.append(torch.randint(config.num_train_timesteps, (1,), generator=generator, device=device))
+            noises.append(torch.randn(config.horizon, self.action_dim, generator=generator, device=device))
             if random_crop:
+                host = generator if device.type == "cpu" else torch.Generator().manual_seed(seed)
                 for key in self.image_keys:
-                    top = int(torch.randint(image_hw[0] - crop[0] + 1, (1,), generator=generator))
-                    left = int(torch.randint(image_hw[1] - crop[1] + 1, (1,), generator=generator))
+                    top = int(torch.randint(image_hw[0] - crop[0] + 1, (1,), generator=host))
+                    left = int(torch.randint(image_hw[1] - crop[1] + 1, (1,), generator=host))
                     corners[key].append((top, left))
         return torch.cat(timesteps), torch.stack(noises), corners if random_crop else None
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         """LeRobot's loss at each sample's own random timestep and noise (see DiffusionModel.compute_loss)."""
         self._check_inputs(batch, need_action=True)
-        device = batch["action"].device
         timesteps_B, eps_BTA, corners = self._training_draws(batch, batch["action"].shape[0])
-        loss = self.diffusion.compute_loss(batch, eps_BTA.to(device), timesteps_B.to(device), corners)
+        loss = self.diffusion.compute_loss(batch, eps_BTA, timesteps_B, corners)
         return loss, {}
 
     @torch.no_grad()

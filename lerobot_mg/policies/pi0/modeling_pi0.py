@@ -44,6 +44,7 @@ from lerobot_mg.policies.vla.common import (
     example_language,
     flow_matching_losses,
     flow_matching_pair,
+    leading_ones,
     make_att_2d_masks,
     pad_vector,
     per_sample_noise_and_time,
@@ -125,10 +126,11 @@ class PI0Pytorch(nn.Module):
         return sinusoidal_time_embedding(timestep, self.action_in_proj.out_features, self.config.min_period,
                                          self.config.max_period).type(dtype=timestep.dtype)
 
-    def _action_att_masks(self) -> list[int]:
-        # The first action token starts a new block: the prefix (and the state token) never attend to the actions,
-        # the actions attend to each other and to everything before.
-        return [1] + [0] * (self.config.chunk_size - 1)
+    def _action_att_masks(self, batch_size: int, leading: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """(B, leading + chunk) autoregressive masks of ``leading`` tokens that each start a block (pi0's state
+        token) then the actions: the first action token starts a new block, so the prefix (and the state token)
+        never attend to the actions, and the actions attend to each other and to everything before."""
+        return leading_ones(batch_size, leading + self.config.chunk_size, leading + 1, dtype, device)
 
     def embed_suffix(self, state: Tensor | None, noisy_actions: Tensor, timestep: Tensor
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -146,8 +148,7 @@ class PI0Pytorch(nn.Module):
                                                                                          dim=2))))
         embs = torch.cat([state_emb[:, None, :], action_time], dim=1)
         pad_masks = torch.ones(batch_size, embs.shape[1], dtype=torch.bool, device=timestep.device)
-        att = [1] + self._action_att_masks()
-        att_masks = torch.tensor(att, dtype=embs.dtype, device=embs.device)[None, :].expand(batch_size, len(att))
+        att_masks = self._action_att_masks(batch_size, 1, embs.dtype, embs.device)
         return embs, pad_masks, att_masks, None
 
     # --- passes ---

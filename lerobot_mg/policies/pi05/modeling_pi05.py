@@ -40,9 +40,7 @@ class PI05Pytorch(PI0Pytorch):
         cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
         batch_size, chunk = action_emb.shape[:2]
         pad_masks = torch.ones(batch_size, chunk, dtype=torch.bool, device=timestep.device)
-        att = self._action_att_masks()
-        att_masks = torch.tensor(att, dtype=action_emb.dtype, device=action_emb.device)[None, :].expand(
-            batch_size, len(att))
+        att_masks = self._action_att_masks(batch_size, 0, action_emb.dtype, action_emb.device)
         return action_emb, pad_masks, att_masks, cond
 
 

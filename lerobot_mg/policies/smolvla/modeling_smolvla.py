@@ -165,30 +165,29 @@ class SmolVLAFlowMatching(nn.Module):
         """(embeddings (B, L, VLM width), pad masks (B, L), block starts (B, L)) of the image tokens of each
         camera, the language tokens and the state token; images and language see each other, the state starts a
         block of its own."""
-        embeddings, pad_masks, blocks = [], [], []
+        embeddings, pad_masks = [], []
         for image, image_mask in zip(images, img_masks, strict=True):
             image_embedding = self.vlm_with_expert.embed_image(image)
             width = image_embedding.shape[-1]
-            image_embedding = image_embedding * torch.tensor(width**0.5, dtype=image_embedding.dtype,
-                                                             device=image_embedding.device)
+            # sqrt(width) rounded to the embedding's dtype first, as LeRobot's tensor of it (made on the device).
+            image_embedding = image_embedding * torch.full((), width**0.5, dtype=image_embedding.dtype,
+                                                           device=image_embedding.device)
             batch_size, num_tokens = image_embedding.shape[:2]
             embeddings.append(image_embedding)
             pad_masks.append(image_mask[:, None].expand(batch_size, num_tokens))
-            blocks += [0] * num_tokens
         language = self.vlm_with_expert.embed_language_tokens(lang_tokens)
         language = language * math.sqrt(language.shape[-1])
         embeddings.append(language)
         pad_masks.append(lang_masks)
-        blocks += [0] * language.shape[1]
         state_embedding = self.state_proj(state)
         state_embedding = state_embedding[:, None, :] if state_embedding.ndim == 2 else state_embedding
         embeddings.append(state_embedding)
         batch_size, state_length = state_embedding.shape[:2]
         pad_masks.append(torch.ones(batch_size, state_length, dtype=torch.bool, device=state_embedding.device))
-        blocks += [1] * state_length
         embedding = torch.cat(embeddings, dim=1)
         pad_mask = torch.cat(pad_masks, dim=1)
-        block = torch.tensor(blocks, dtype=torch.bool, device=pad_mask.device)[None, :]
+        # Every image and language token 0, the state tokens 1 (made on the device, not copied from a list).
+        block = (torch.arange(pad_mask.shape[1], device=pad_mask.device) >= pad_mask.shape[1] - state_length)[None, :]
         if pad_mask.shape[1] < self.config.prefix_length:
             embedding = _pad_sequence(embedding, self.config.prefix_length)
             pad_mask = _pad_sequence(pad_mask, self.config.prefix_length)
@@ -206,7 +205,7 @@ class SmolVLAFlowMatching(nn.Module):
         fused = self.action_time_mlp_out(F.silu(fused))
         batch_size, length = fused.shape[:2]
         pad_mask = torch.ones(batch_size, length, dtype=torch.bool, device=fused.device)
-        block = torch.tensor([1] * self.config.chunk_size, dtype=fused.dtype, device=fused.device)
+        block = torch.ones(self.config.chunk_size, dtype=fused.dtype, device=fused.device)
         return fused, pad_mask, block[None, :].expand(batch_size, -1)
 
     def velocity(self, suffix_out: Tensor) -> Tensor:

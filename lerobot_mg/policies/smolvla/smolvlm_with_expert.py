@@ -314,7 +314,20 @@ class SmolVLMWithExpertModel(nn.Module):
     def embed_image(self, image: Tensor) -> Tensor:
         """(B, tokens, VLM width) features of images (B, C, H, W) in [-1, 1] (vision encoder, then connector)."""
         vision = self.vlm.model.vision_model
-        features = vision(pixel_values=image.to(dtype=vision.dtype), patch_attention_mask=None).last_hidden_state
+        pixels = image.to(dtype=vision.dtype)
+        if _plain_module(vision, SmolVLMVisionTransformer):
+            # The vision transformer's forward with every patch real (our images are never padded), the case in
+            # which transformers drops the attention mask too; its forward builds the mask on the host and reads it
+            # back to find that out, waiting for the device.
+            patch = vision.patch_size
+            patches = torch.ones((pixels.shape[0], pixels.shape[2] // patch, pixels.shape[3] // patch),
+                                 dtype=torch.bool, device=pixels.device)
+            hidden = vision.embeddings(pixel_values=pixels, patch_attention_mask=patches)
+            encoded = vision.encoder(inputs_embeds=hidden, attention_mask=None)
+            features = vision.post_layernorm(encoded.last_hidden_state if hasattr(encoded, "last_hidden_state")
+                                             else encoded[0])
+        else:  # wrapped (a sharded or compiled unit, hooks): through its own forward
+            features = vision(pixel_values=pixels, patch_attention_mask=None).last_hidden_state
         return self.vlm.model.connector(features)
 
     def embed_language_tokens(self, tokens: Tensor) -> Tensor:
@@ -341,3 +354,9 @@ class SmolVLMWithExpertModel(nn.Module):
         prefix_out = None if prefix is None else self.vlm.model.text_model.norm(prefix)
         suffix_out = None if suffix is None else self.lm_expert.norm(suffix)
         return prefix_out, suffix_out, new_cache
+
+
+def _plain_module(module: nn.Module, cls: type[nn.Module]) -> bool:
+    """``module`` is exactly a ``cls``, with no hooks and not compiled: calling its parts is calling it."""
+    return (type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
+            and getattr(module, "_compiled_call_impl", None) is None)

@@ -101,6 +101,12 @@ def make_att_2d_masks(pad_masks: Tensor, att_masks: Tensor) -> Tensor:
     return causal_2d & valid_2d
 
 
+def leading_ones(batch_size: int, length: int, ones: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(batch_size, length) autoregressive masks ``[1] * ones + [0] * (length - ones)`` per sample, made on the
+    device (a mask built from a Python list would be copied to it, waiting for it)."""
+    return (torch.arange(length, device=device) < ones).to(dtype)[None, :].expand(batch_size, length)
+
+
 def attention_masks_4d(att_2d_masks: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """(B, 1, Nq, Nk) additive mask for eager attention: 0 where allowed, :data:`ATTENTION_MASK_VALUE` elsewhere
     (float32 unless ``dtype`` is given)."""
@@ -182,33 +188,40 @@ def sample_noise(shape: Sequence[int], device: torch.device | str, generator: to
     return torch.normal(mean=0.0, std=1.0, size=tuple(shape), dtype=torch.float32, device=device, generator=generator)
 
 
-def sample_beta(alpha: float, beta: float, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
-    """(batch_size,) float32 draws of Beta(alpha, beta) on the CPU; with no generator the same numbers as
-    ``torch.distributions.Beta(alpha, beta).sample((batch_size,))`` from the global RNG (it samples the same
-    two-component Dirichlet)."""
-    concentration = torch.tensor([alpha, beta], dtype=torch.float32, device="cpu").expand(batch_size, 2)
+def sample_beta(alpha: float, beta: float, batch_size: int, generator: torch.Generator | None = None,
+                device: torch.device | str | None = None) -> Tensor:
+    """(batch_size,) float32 draws of Beta(alpha, beta) on ``device`` (the generator's, by default; the CPU without
+    one); with no generator the same numbers as ``torch.distributions.Beta(alpha, beta).sample((batch_size,))`` from
+    that device's global RNG (it samples the same two-component Dirichlet)."""
+    if device is None:
+        device = generator.device if generator is not None else "cpu"
+    # Built on the device (a tensor made from Python numbers would be copied to it, waiting for it).
+    concentration = torch.full((batch_size, 2), beta, dtype=torch.float32, device=device)
+    concentration[:, 0] = alpha
     return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
 
 
 def sample_time_beta(batch_size: int, device: torch.device | str, *, alpha: float, beta: float, scale: float,
                      offset: float, generator: torch.Generator | None = None) -> Tensor:
-    """(batch_size,) float32 flow-matching times ``Beta(alpha, beta) * scale + offset`` (drawn on the CPU, whose
-    generator the caller passes, and moved to ``device``)."""
-    time = sample_beta(alpha, beta, batch_size, generator) * scale + offset
-    return time.to(dtype=torch.float32, device=device)
+    """(batch_size,) float32 flow-matching times ``Beta(alpha, beta) * scale + offset``, drawn on ``device`` (from
+    ``generator``, a generator of that device, when given)."""
+    time = sample_beta(alpha, beta, batch_size, generator, device) * scale + offset
+    return time.to(dtype=torch.float32)
 
 
 def per_sample_noise_and_time(seeds: Sequence[int], noise_shape: Sequence[int], device: torch.device | str, *,
                               alpha: float, beta: float, scale: float, offset: float) -> tuple[Tensor, Tensor]:
-    """Noise (B, *noise_shape) and times (B,) where sample b's draws come from its own generator seeded with
-    ``seeds[b]`` (noise first, then time): a sample trains on the same draws whatever rank or micro-batch it is in."""
+    """Noise (B, *noise_shape) and times (B,) where sample b's draws come from its own generator of ``device``
+    seeded with ``seeds[b]`` (noise first, then time): a sample trains on the same draws whatever rank or
+    micro-batch it is in. Drawn on the device: nothing is copied to it (on the CPU, the numbers of a CPU generator;
+    a GPU's generator draws other numbers from the same seed)."""
     noises, times = [], []
     for seed in seeds:
-        generator = torch.Generator().manual_seed(int(seed))
-        noises.append(sample_noise(noise_shape, "cpu", generator))
-        times.append(sample_time_beta(1, "cpu", alpha=alpha, beta=beta, scale=scale, offset=offset,
+        generator = torch.Generator(device=device).manual_seed(int(seed))
+        noises.append(sample_noise(noise_shape, device, generator))
+        times.append(sample_time_beta(1, device, alpha=alpha, beta=beta, scale=scale, offset=offset,
                                       generator=generator))
-    return torch.stack(noises).to(device), torch.cat(times).to(device)
+    return torch.stack(noises), torch.cat(times)
 
 
 def flow_matching_pair(actions: Tensor, noise: Tensor, time: Tensor) -> tuple[Tensor, Tensor]:
@@ -233,7 +246,7 @@ def euler_integrate(velocity: Callable[[Tensor, Tensor], Tensor], noise: Tensor,
     x_t = noise
     for step in range(num_steps):
         time = 1.0 + step * dt
-        time_tensor = torch.tensor(time, dtype=torch.float32, device=noise.device).expand(batch_size)
+        time_tensor = torch.full((batch_size,), time, dtype=torch.float32, device=noise.device)
         v_t = velocity(x_t, time_tensor)
         if on_step is not None:
             on_step(time_tensor, x_t, v_t)
