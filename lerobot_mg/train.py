@@ -41,6 +41,7 @@ from lerobot_mg.peft.build import build_policy, describe_finetune, processors_di
 from lerobot_mg.peft.lora import AdapterWeights
 from lerobot_mg.preflight import meta_policy, preflight
 from lerobot_mg.processors import camera_keys, processors_for
+from lerobot_mg.processors.language import worker_language
 from lerobot_mg.processors.mixture import normalise_sources
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
 from lerobot_mg.step import make_ema
@@ -137,7 +138,8 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     # The plain Stepper; the one that runs a fault drill only on the rank LEROBOT_MG_FAULT names (lerobot_mg.drills).
     stepper = stepper_type(dims.rank)(accelerator, model, optimizer, scheduler, preprocessor,
                                       cfg.optimizer.grad_clip_norm, dims, uint8_keys=dataset.visual_keys, ema=ema)
-    batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+    batches = endless_batches(dataset, sampler, cfg.num_workers, pin_memory=accelerator.device.type == "cuda",
+                              prepare=worker_language(preprocessor))  # a VLA's prompts tokenised in the workers
     save_items = SaveItems(policy, preprocessor, postprocessor, scheduler, accelerator.scaler, train_config,
                            source_processors)
     evaluator = Evaluator(cfg, dims, accelerator.device, policy, (preprocessor, postprocessor), meta,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,10 +65,26 @@ def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+class Collate:
+    """The DataLoader's ``collate_fn``: the dataset's own collate (a mixture pads and normalises its sources per
+    batch) or torch's default, then ``prepare`` (e.g. the prompts' tokens:
+    ``lerobot_mg.processors.language.worker_language``), in the workers; picklable."""
+
+    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]] | None,
+                 prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        self.collate = collate or torch.utils.data.default_collate
+        self.prepare = prepare
+
+    def __call__(self, items: list[Any]) -> dict[str, Any]:
+        batch = self.collate(items)
+        return batch if self.prepare is None else self.prepare(batch)
+
+
 def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSampler, num_workers: int,
-                    pin_memory: bool) -> Iterator[dict[str, Any]]:
+                    pin_memory: bool, prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                    ) -> Iterator[dict[str, Any]]:
     """Endless batches, each with its samples' seeds; one DataLoader pass per epoch, starting at the sampler's
-    saved position.
+    saved position. ``prepare``, if given, finishes each collated batch in the workers (see :class:`Collate`).
 
     One DataLoader for the whole run: its workers persist from one epoch to the next, with their open video files
     (a new pass otherwise forks new workers, which reopen every file and leave the loop waiting at each epoch's
@@ -77,7 +93,7 @@ def endless_batches(dataset: torch.utils.data.Dataset, sampler: ResumableBatchSa
     """
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
-        collate_fn=getattr(dataset, "collate", None),  # a mixture pads and normalises its sources per batch
+        collate_fn=Collate(getattr(dataset, "collate", None), prepare),
         pin_memory=pin_memory, worker_init_fn=_leave_stop_signals_to_the_trainer,
         generator=torch.Generator().manual_seed(sampler.seed * 100_003 + sampler.epoch),
     )

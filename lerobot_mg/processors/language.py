@@ -12,6 +12,14 @@ into the tokens the policy reads:
 - ``tokenizer_processor``: the prompt through the VLM's tokenizer (transformers' ``AutoTokenizer``), padded to
   ``max_length`` (pi0, pi0.5) or to the longest prompt of the batch (SmolVLA's ``pad_language_to="longest"``), cut at
   ``max_length``: ``observation.language.tokens`` (int64) and ``observation.language.attention_mask`` (bool).
+
+In training the DataLoader's workers do the host's part (:func:`worker_language`, the collate's last step), so that
+the step itself never waits for the device: pi0's and SmolVLA's prompts arrive tokenised, as CPU tensors the loop
+copies to the device with the rest of the batch; pi0.5's prompt arrives as the tokens of its head (``"Task: <task>,
+State:"``), its state is cut into bins on the device (``torch.bucketize``) and the tokens of each bin (a table made
+once from the tokenizer) join the head there. That gives the tokenizer's tokens of the whole prompt when the
+tokenizer splits the prompt at those seams; :class:`TokenizerStep` checks it on every bin when the table is made,
+and otherwise tokenises pi0.5's prompts on the host, as inference does.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
 from lerobot_mg.errors import config_error
@@ -32,6 +41,20 @@ TASK_KEY = "task"
 STATE_KEY = "observation.state"
 # pi0.5's state bins: the left edges of 256 equal bins of [-1, 1] (openpi's PaligemmaTokenizer, LeRobot's step).
 STATE_BIN_EDGES = np.linspace(-1, 1, 256 + 1)[:-1]
+STATE_BIN_VALUES = range(-1, 256)  # what np.digitize(...) - 1 gives on those edges
+# The batch keys of pi0.5's prompt made in the DataLoader's workers and finished on the device (see the module
+# docstring): the head's tokens (B, H) int64 right-padded, each head's length (B,), the state's bins (B, D).
+PROMPT_HEAD_TOKENS = "observation.language.prompt_head_tokens"
+PROMPT_HEAD_LENGTH = "observation.language.prompt_head_length"
+STATE_BINS = "observation.language.state_bins"
+
+
+def _pi05_text(task: str) -> str:
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def _pi05_head(task: str) -> str:
+    return f"Task: {_pi05_text(task)}, State:"
 
 
 def _tasks(batch: dict[str, Any], task_key: str, step: str) -> list[str]:
@@ -80,19 +103,36 @@ class Pi05StatePromptStep(ProcessorStep):
 
     registry_name: ClassVar[str] = "pi05_prepare_state_tokenizer_processor_step"
 
+    def __init__(self) -> None:
+        self.edges = torch.from_numpy(STATE_BIN_EDGES)  # float64; float32 on MPS, which has no float64
+
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         state = batch.get(STATE_KEY)
         if not isinstance(state, Tensor):
             raise ValueError(f"{self.registry_name} needs the batch's {STATE_KEY!r}: pi0.5 reads the state in its "
                              "prompt")
+        if PROMPT_HEAD_TOKENS in batch:  # the workers made the head: the bins stay on the device
+            return {**batch, STATE_BINS: self.bins(state)}
         tasks = _tasks(batch, TASK_KEY, self.registry_name)
         # numpy's digitize on the host, as LeRobot's step: a value compares with the float64 edges unrounded.
         bins = np.digitize(state.detach().float().cpu().numpy(), bins=STATE_BIN_EDGES) - 1
         prompts = []
         for task, state_bins in zip(tasks, bins, strict=True):
-            text = task.strip().replace("_", " ").replace("\n", " ")
-            prompts.append(f"Task: {text}, State: {' '.join(str(int(b)) for b in state_bins)};\nAction: ")
+            prompts.append(f"Task: {_pi05_text(task)}, State: {' '.join(str(int(b)) for b in state_bins)};\nAction: ")
         return {**batch, TASK_KEY: prompts}
+
+    def bins(self, state: Tensor) -> Tensor:
+        """(B, D) int64 bins of the state on its device: numpy's ``digitize(x, edges) - 1`` (``bins[i-1] <= x <
+        bins[i]``), each float32 value compared with the float64 edges unrounded, as on the host."""
+        dtype = torch.float32 if state.device.type == "mps" else torch.float64
+        if self.edges.device != state.device or self.edges.dtype != dtype:
+            self.edges = self.edges.to(device=state.device, dtype=dtype)  # once: to() moves them with the pipeline
+        return torch.bucketize(state.detach().float().to(dtype), self.edges, right=True) - 1
+
+    def to(self, device: torch.device | str) -> Pi05StatePromptStep:
+        device = torch.device(device)
+        self.edges = self.edges.to(device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
+        return self
 
     def get_config(self) -> dict[str, Any]:
         return {}  # LeRobot saves none (its max_state_dim and task_key keep their defaults when it loads the step)
@@ -123,8 +163,17 @@ class TokenizerStep(ProcessorStep):
         # transformers is imported by the runs that tokenise only (its import costs every process about a second).
         auto_tokenizer = importlib.import_module("transformers").AutoTokenizer
         self.tokenizer = auto_tokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.device = torch.device("cpu")
+        self._bin_tables: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if LANGUAGE_TOKENS in batch and LANGUAGE_ATTENTION_MASK in batch:  # tokenised in the DataLoader's workers
+            return batch
+        if PROMPT_HEAD_TOKENS in batch and STATE_BINS in batch:  # pi0.5's prompt finished on the device
+            head, head_length = batch[PROMPT_HEAD_TOKENS], batch[PROMPT_HEAD_LENGTH]
+            tokens, mask = self.state_prompt_tokens(head, head_length, batch[STATE_BINS])
+            rest = {k: v for k, v in batch.items() if k not in (PROMPT_HEAD_TOKENS, PROMPT_HEAD_LENGTH, STATE_BINS)}
+            return {**rest, LANGUAGE_TOKENS: tokens, LANGUAGE_ATTENTION_MASK: mask}
         encoded = self.tokenizer(_tasks(batch, self.task_key, self.registry_name), max_length=self.max_length,
                                  truncation=self.truncation, padding=self.padding, padding_side=self.padding_side,
                                  return_tensors="pt")
@@ -134,6 +183,83 @@ class TokenizerStep(ProcessorStep):
         if device is not None:
             tokens, mask = tokens.to(device), mask.to(device)
         return {**batch, LANGUAGE_TOKENS: tokens, LANGUAGE_ATTENTION_MASK: mask}
+
+    def to(self, device: torch.device | str) -> TokenizerStep:
+        self.device = torch.device(device)
+        if self._bin_tables is not None:
+            self._bin_tables = tuple(table.to(self.device) for table in self._bin_tables)
+        return self
+
+    def state_prompts_on_device(self) -> bool:
+        """Whether pi0.5's prompts can be finished on the device: padded to ``max_length`` on the right, and the
+        tokenizer's tokens of every prompt are those of its head, of each bin (``" <bin>"``) and of the last bin
+        with the tail (``" <bin>;\\nAction: "``) one after the other, checked on every bin value at every place.
+        Makes the tables of the bins' tokens on first call (on the step's device)."""
+        if (self.padding != "max_length" or self.padding_side != "right" or not self.truncation
+                or self.task_key != TASK_KEY):
+            return False
+        if self._bin_tables is None:
+            tables = self._make_bin_tables()
+            if tables is None:
+                return False
+            self._bin_tables = tuple(table.to(self.device) for table in tables)
+        return True
+
+    def _make_bin_tables(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        tokenizer, values = self.tokenizer, list(STATE_BIN_VALUES)
+        middle = tokenizer([f" {v}" for v in values], add_special_tokens=False)["input_ids"]
+        last = tokenizer([f" {v};\nAction: " for v in values], add_special_tokens=False)["input_ids"]
+        heads = [_pi05_head(task) for task in ("pick up the cube", "x", "Put the_cube back\n")]
+        head_ids = tokenizer(heads)["input_ids"]
+        count = len(values)
+        prompts, expected = [], []
+        for h, head in enumerate(heads):
+            for i, v in enumerate(values):  # each value first, in the middle and last, beside varied neighbours
+                u, w = values[(7 * i + 3 + h) % count], values[(13 * i + 5 + h) % count]
+                prompts.append(f"{head} {v} {u} {w};\nAction: ")
+                expected.append(head_ids[h] + middle[i] + middle[(7 * i + 3 + h) % count]
+                                + last[(13 * i + 5 + h) % count])
+            prompts.append(f"{head} {values[h]};\nAction: ")  # a state of one dimension
+            expected.append(head_ids[h] + last[h])
+        if tokenizer(prompts)["input_ids"] != expected or tokenizer.pad_token_id is None:
+            return None
+
+        def table(ids: list[list[int]]) -> tuple[Tensor, Tensor]:
+            width = max(len(row) for row in ids)
+            return (torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.int64),
+                    torch.tensor([len(row) for row in ids], dtype=torch.int64))
+
+        return (*table(middle), *table(last))
+
+    def prompt_heads(self, tasks: list[str]) -> tuple[Tensor, Tensor]:
+        """(B, H) int64 tokens of pi0.5's prompt heads (``"Task: <task>, State:"``, with the tokenizer's special
+        tokens; right-padded with 0) and their lengths (B,), on the host: the DataLoader workers' part."""
+        ids = self.tokenizer([_pi05_head(task) for task in tasks])["input_ids"]
+        width = max(len(row) for row in ids)
+        return (torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.int64),
+                torch.tensor([len(row) for row in ids], dtype=torch.int64))
+
+    def state_prompt_tokens(self, head: Tensor, head_length: Tensor, bins: Tensor) -> tuple[Tensor, Tensor]:
+        """pi0.5's tokens (B, max_length) and attention mask from the heads' tokens and the state's bins (B, D), on
+        their device with torch ops only: the head, each bin's tokens, the last bin's with the tail, then the
+        tokenizer's padding, cut at ``max_length``. Needs :meth:`state_prompts_on_device`."""
+        if not self.state_prompts_on_device():
+            raise RuntimeError("this tokenizer's pi0.5 prompts cannot be finished on the device")
+        assert self._bin_tables is not None
+        middle, middle_length, last, last_length = (t.to(bins.device) for t in self._bin_tables)
+        rows = bins + 1  # the tables' row of each bin value (-1 is row 0)
+        width = max(head.shape[1], middle.shape[1], last.shape[1])
+        pieces = torch.cat([F.pad(head, (0, width - head.shape[1]))[:, None],
+                            F.pad(middle, (0, width - middle.shape[1]))[rows[:, :-1]],
+                            F.pad(last, (0, width - last.shape[1]))[rows[:, -1:]]], dim=1)  # (B, 1 + D, width)
+        lengths = torch.cat([head_length[:, None], middle_length[rows[:, :-1]], last_length[rows[:, -1:]]], dim=1)
+        ends = torch.cumsum(lengths, dim=1)
+        position = torch.arange(self.max_length, device=bins.device).expand(bins.shape[0], -1).contiguous()
+        piece = torch.searchsorted(ends, position, right=True).clamp_(max=lengths.shape[1] - 1)
+        offset = (position - (ends - lengths).gather(1, piece)).clamp_(0, width - 1)
+        tokens = pieces.flatten(1).gather(1, piece * width + offset)
+        mask = position < ends[:, -1:]
+        return tokens.masked_fill(~mask, self.tokenizer.pad_token_id), mask
 
     def get_config(self) -> dict[str, Any]:
         return {"max_length": self.max_length, "task_key": self.task_key, "padding_side": self.padding_side,
@@ -149,3 +275,32 @@ class TokenizerStep(ProcessorStep):
         return cls(config["tokenizer_name"], config.get("max_length", 512), config.get("task_key", TASK_KEY),
                    config.get("padding_side", "right"), config.get("padding", "max_length"),
                    config.get("truncation", True))
+
+
+class WorkerLanguage:
+    """The host's part of a VLA preprocessor's language steps, run by the DataLoader's workers on each collated batch
+    (see the module docstring); picklable."""
+
+    def __init__(self, steps: list[ProcessorStep], tokenizer: TokenizerStep, state_prompt: bool) -> None:
+        self.steps, self.tokenizer, self.state_prompt = steps, tokenizer, state_prompt
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        for step in self.steps:
+            batch = step(batch)
+        if self.state_prompt:
+            head, length = self.tokenizer.prompt_heads(_tasks(batch, TASK_KEY, "pi0.5's prompt"))
+            return {**batch, PROMPT_HEAD_TOKENS: head, PROMPT_HEAD_LENGTH: length}
+        return self.tokenizer(batch)
+
+
+def worker_language(preprocessor: Any) -> WorkerLanguage | None:
+    """What the DataLoader's workers do of ``preprocessor``'s language steps (None: nothing, for a policy without
+    a tokenizer step, or pi0.5 with a tokenizer whose prompts cannot be finished on the device)."""
+    tokenizers = [step for step in preprocessor.steps if isinstance(step, TokenizerStep)]
+    if len(tokenizers) != 1:
+        return None
+    tokenizer = tokenizers[0]
+    before = preprocessor.steps[:preprocessor.steps.index(tokenizer)]
+    if any(isinstance(step, Pi05StatePromptStep) for step in before):
+        return WorkerLanguage([], tokenizer, True) if tokenizer.state_prompts_on_device() else None
+    return WorkerLanguage([step for step in before if isinstance(step, _NewLineStep)], tokenizer, False)
