@@ -24,12 +24,17 @@ from lerobot_mg.accounting.throughput import (
     peak_flops,
     peak_flops_of,
     samples_per_second,
+    seconds,
     training_flops_per_sample,
 )
+from lerobot_mg.data.hub import resolve_dataset
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Topology
 from lerobot_mg.policies.base import checkpoint_activations
+from lerobot_mg.preflight import check_dataset, meta_policy
 from lerobot_mg.run_facts import CodeRevision, Progress, RunFacts, from_dict
 from lerobot_mg.tracking import ProgressDisplay
+from tests.unit.test_vla_presets import composed
+from tests.vla_preset_aids import PRESET_TEST_OVERRIDES, VLA_PRESETS, shared_vla_dataset
 
 DIMS = (5, 7, 11, 3)  # input, two hidden widths, output
 BATCH = 4
@@ -159,6 +164,44 @@ def test_a_step_that_reads_values_on_the_host_is_not_counted_but_a_yes_no_check_
     assert training_flops_per_sample(checks, BATCH)[0] == hand_count()
     flops, how = training_flops_per_sample(nn.Linear(2, 2, device="meta"), BATCH)
     assert flops is None and how == "not counted: Linear has no example_batch"
+
+
+@pytest.fixture(scope="module")
+def vla_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shared_vla_dataset(tmp_path_factory)
+
+
+@pytest.mark.parametrize("preset", ["pusht_debug", "pusht_debug_diffusion", *VLA_PRESETS])
+def test_every_policys_training_step_is_counted_on_the_meta_device(preset: str, vla_dataset: Path) -> None:
+    """A policy whose step does not run on the meta device (a generator made on the batch's device, a value read
+    on the host) gets no FLOPs and no MFU, and the memory plan no activation estimate: every policy must run."""
+    cfg = composed([f"experiment={preset}", *([f"dataset.root={vla_dataset}", *PRESET_TEST_OVERRIDES]
+                                              if preset in VLA_PRESETS else [])])
+    meta, _ = check_dataset(cfg, 1, Path(resolve_dataset(cfg.dataset).root))
+    flops, how = training_flops_per_sample(meta_policy(cfg, meta), cfg.batch_size)
+    assert flops is not None and flops > 0, how
+
+
+class FakeEvent:
+    """A CUDA event's interface, at a time the test sets (milliseconds, as CUDA reports them)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms, self.synchronized = ms, False
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert end.synchronized, "read before the device reached the end mark"
+        return end.ms - self.ms
+
+
+def test_device_marks_are_read_once_the_device_reached_them_in_seconds() -> None:
+    phases = PhaseTimes()
+    phases.add(0.0, (FakeEvent(0.0), FakeEvent(2.0), FakeEvent(12.0)))
+    phases.add(0.0, (FakeEvent(20.0), FakeEvent(24.0), FakeEvent(44.0)))
+    assert phases.take(2) == pytest.approx({"dataloading_s": 0.0, "preprocessing_s": 0.003, "update_s": 0.015})
+    assert seconds(FakeEvent(1.0), FakeEvent(251.0)) == 0.25
 
 
 def test_the_phase_clock_means_each_phase_over_the_interval_steps() -> None:
