@@ -1,7 +1,7 @@
 """The GPU check's driver (scripts/gpu_check.sh runs it; docs/gpu.md): parts in order of importance, each in its own
 processes under a time limit, every figure into one JSON file.
 
-    python3 scripts/gpu_check.py --out DIR [--budget-s 450] [--only act_bf16,pi0_bf16]
+    python3 scripts/gpu_check.py --out DIR [--budget-s 430] [--only act_bf16,pi0_bf16]
 
 A part that needs CUDA reports "skipped: no GPU" on a machine without one; a part that would start too close to the
 budget's end reports "skipped: time budget". The JSON is rewritten after every part, so a check stopped from outside
@@ -40,6 +40,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A1
 INTERVAL_KEYS = ("samples_per_s", "samples_per_s_per_device", "dataloading_s", "preprocessing_s", "update_s",
                  "dataloading_s_rank0", "preprocessing_s_rank0", "update_s_rank0", "mfu", "peak_device_memory_gb",
                  "data_frac", "gpu_peak_memory_gb")
+STOP_GRACE_S = 10  # what stopping a run at its limit may take (SIGTERM, then SIGKILL; see _stop)
 COMMON = ("logging.progress_bar=false", "logging.wandb.mode=disabled", "eval.n_episodes=0")
 
 
@@ -94,7 +95,7 @@ class Check:
         work/logs/<name>.log. Returns the exit status (or "timeout") and the output."""
         log = self.work / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        limit = max(5.0, min(limit_s, self.left()))
+        limit = max(5.0, min(limit_s, self.left() - STOP_GRACE_S))  # a stopped run ends inside the budget
         with open(log, "w") as handle:
             process = subprocess.Popen(argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
                                        env={**os.environ, **(env or {})}, start_new_session=True)
@@ -144,7 +145,9 @@ class Check:
         status, output = self.run(f"{name}_plan", self.torchrun(["scripts/train.py", *COMMON, *overrides, "plan=true"]),
                                   limit_s)
         plan = parse_plan(output)
-        if status != 0:
+        if status == "timeout":
+            plan["status"] = f"timeout: the plan took over {limit_s:.0f} s"
+        elif status != 0:
             errors = [line for line in output.splitlines() if re.search(r"Error|error:", line)]
             plan["status"] = f"failed: exit {status}: " + (errors[-1].strip()[:300] if errors else output[-300:])
         return plan
@@ -350,6 +353,8 @@ def throughput(check: Check, name: str, policy: str, overrides: list[str], limit
         result["plan"] = check.plan(name, overrides, min(90.0, limit_s / 3))
     if check.cuda or not plan:
         result.update(check.train(name, overrides, limit_s - (time.monotonic() - started), sync_steps))
+    elif "status" in result["plan"]:
+        result["status"] = f"skipped: no GPU; the plan: {result['plan']['status']}"
     else:
         result["status"] = "skipped: no GPU (the plan ran, on the meta device)"
     fill_derived(result, check.device_name)
@@ -602,7 +607,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu_check"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_check_work"))
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "450")))
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "430")))
     parser.add_argument("--only", default=os.environ.get("GPU_CHECK_ONLY") or None,
                         help="comma-separated part names (environment, backend_probe, act_bf16, ...)")
     args = parser.parse_args()

@@ -8,7 +8,7 @@
 #
 # PY picks the interpreter (default python3); when it cannot import Hydra, omegaconf, submitit and diffusers, the
 # wheels in .whl/ are installed into $GPU_CHECK_SITE (default /tmp/site) with pip --no-index, and the repository
-# itself is put on PYTHONPATH (nothing is installed into the interpreter). GPU_CHECK_BUDGET_S (default 450) is the
+# itself is put on PYTHONPATH (nothing is installed into the interpreter). GPU_CHECK_BUDGET_S (default 430) is the
 # driver's time budget: no part starts that would not end inside it, and the JSON is written after every part.
 # Without CUDA the CUDA parts report "skipped: no GPU", the memory plans and a CPU-size rehearsal of the training
 # runs take their place, and the script still exits 0 (a failed part is a finding in the JSON, not an exit status).
