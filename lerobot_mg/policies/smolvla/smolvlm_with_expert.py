@@ -130,7 +130,8 @@ class _DecoderLayer(nn.Module):
 @dataclass
 class ExpertAttention:
     """What VLM layer i hands expert layer i: the prefix's keys and values of this layer (after RoPE, computed in
-    this pass or read from the cache) and ``attend(queries, keys, values)``, which applies the expert's positions
+    this pass or read from the cache; before RoPE in a training pass of a self-attention layer, whose expert does
+    not read them) and ``attend(queries, keys, values)``, which applies the expert's positions
     and runs the attention the layer kind calls for, returning the expert's (B, L_suffix, H * D) output."""
 
     prefix_keys: Tensor
@@ -190,20 +191,23 @@ class SmolVLAVLMLayer(_DecoderLayer):
         prefix first; with ``cached`` (the prefix pass's keys and values) the prefix is None and the keys run
         over [prefix; suffix]. Expert layer i's forward runs inside, also when the suffix is None."""
         num_heads = self.num_heads
+        # Training through a self-attention layer: one attention over both streams (their queries concatenated).
+        joint = prefix is not None and suffix is not None and not self.cross_attention
         if prefix is not None:
             prefix_length = prefix.shape[1]
             prefix_positions = position_ids[:, :prefix_length]
             normed = self._normed(prefix)
             attn = self.self_attn
-            prefix_queries = apply_rope(attn.heads(attn.q_proj, normed), prefix_positions)
-            prefix_keys = apply_rope(attn.heads(attn.k_proj, normed), prefix_positions)
+            prefix_queries = attn.heads(attn.q_proj, normed)
+            prefix_keys = attn.heads(attn.k_proj, normed)
             prefix_values = attn.heads(attn.v_proj, normed)
+            if not joint:  # a joint pass rotates both streams at once below (RoPE is per token: the same numbers)
+                prefix_queries = apply_rope(prefix_queries, prefix_positions)
+                prefix_keys = apply_rope(prefix_keys, prefix_positions)
         elif cached is None:
             raise ValueError("a pass without the prefix needs the prefix pass's keys and values (cached)")
         else:
             prefix_keys, prefix_values = cached
-        # Training through a self-attention layer: one attention over both streams (their queries concatenated).
-        joint = prefix is not None and suffix is not None and not self.cross_attention
         prefix_attention: list[Tensor] = []
 
         def attend(expert_queries: Tensor, expert_keys: Tensor, expert_values: Tensor) -> Tensor:
@@ -214,13 +218,15 @@ class SmolVLAVLMLayer(_DecoderLayer):
                 suffix_positions = suffix_positions - torch.min(suffix_positions, dim=1, keepdim=True).values
                 return eager_attention(apply_rope(expert_queries, suffix_positions), expert_keys, expert_values,
                                        suffix_mask[:, :, : expert_keys.shape[1]], num_heads)
-            queries = apply_rope(expert_queries, suffix_positions)
-            keys = torch.cat([prefix_keys, apply_rope(expert_keys, suffix_positions)], dim=1)
             values = torch.cat([prefix_values, expert_values], dim=1)
             if not joint:  # a denoising step: the suffix over [cached prefix; suffix]
-                return eager_attention(queries, keys, values, suffix_mask, num_heads)
-            output = eager_attention(torch.cat([prefix_queries, queries], dim=1), keys, values, attention_mask,
-                                     num_heads)
+                keys = torch.cat([prefix_keys, apply_rope(expert_keys, suffix_positions)], dim=1)
+                return eager_attention(apply_rope(expert_queries, suffix_positions), keys, values, suffix_mask,
+                                       num_heads)
+            # Both streams' queries and keys rotated in one go, as LeRobot does (the prefix's are not rotated yet).
+            queries = apply_rope(torch.cat([prefix_queries, expert_queries], dim=1), position_ids)
+            keys = apply_rope(torch.cat([prefix_keys, expert_keys], dim=1), position_ids)
+            output = eager_attention(queries, keys, values, attention_mask, num_heads)
             prefix_attention.append(output[:, :-suffix_length])
             return output[:, -suffix_length:]
 
