@@ -501,7 +501,8 @@ class DiffusionPolicy(PreTrainedPolicy):
         corners: Corners = {key: [] for key in self.image_keys}
         device = batch["action"].device
         for seed in seeds.tolist():
-            generator = torch.Generator(device=device).manual_seed(seed)
+            # On the meta device (shapes only: the memory plan, the FLOPs count) a CPU one, which draws nothing there.
+            generator = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
             timesteps.append(torch.randint(config.num_train_timesteps, (1,), generator=generator, device=device))
             noises.append(torch.randn(config.horizon, self.action_dim, generator=generator, device=device))
             if random_crop:

@@ -198,6 +198,8 @@ def sample_beta(alpha: float, beta: float, batch_size: int, generator: torch.Gen
     # Built on the device (a tensor made from Python numbers would be copied to it, waiting for it).
     concentration = torch.full((batch_size, 2), beta, dtype=torch.float32, device=device)
     concentration[:, 0] = alpha
+    if concentration.is_meta:  # shapes only (the memory plan, the FLOPs count): the draw has no meta kernel
+        return concentration[..., 0]
     return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
 
 
@@ -217,7 +219,9 @@ def per_sample_noise_and_time(seeds: Sequence[int], noise_shape: Sequence[int], 
     a GPU's generator draws other numbers from the same seed)."""
     noises, times = [], []
     for seed in seeds:
-        generator = torch.Generator(device=device).manual_seed(int(seed))
+        # On the meta device (shapes only) a CPU generator: the meta device has none, and draws nothing from it.
+        generator = torch.Generator(device="cpu" if torch.device(device).type == "meta" else device)
+        generator.manual_seed(int(seed))
         noises.append(sample_noise(noise_shape, device, generator))
         times.append(sample_time_beta(1, device, alpha=alpha, beta=beta, scale=scale, offset=offset,
                                       generator=generator))
