@@ -49,7 +49,9 @@ class IntervalRecord:
     time: float
     progress: Progress
     wall_time_s: float  # since this process started
-    metrics: dict[str, float]  # loss, lr and the rest, reduced across ranks
+    # loss, lr and the rest, reduced across ranks; the throughput figures (samples_per_s, mfu, dataloading_s and
+    # the other phases, the slowest rank's and rank 0's, peak_device_memory_gb): lerobot_mg.accounting.throughput
+    metrics: dict[str, float]
     updates: tuple[UpdateDigest, ...] = ()
     # A dataset mixture: per source name, what the interval's global batches drew from it: {"samples": int,
     # "episodes": int (distinct episodes of that source)}. Empty for a single dataset.
