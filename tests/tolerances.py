@@ -1,7 +1,9 @@
-"""How close two runs that train the same model on the same global batches must be, derived from what the
-comparison can guarantee on any CPU, not from what one CPU happened to print.
+"""Tolerances derived from what a comparison can guarantee on any CPU, not from what one CPU happened to print
+(tests/README.md states the rule): the rounding of one computation checked against stored numbers or another code
+path (``assert_close`` with ``FLOAT32_ULPS`` / ``BFLOAT16_STEP``), and how close two runs that train the same model
+on the same global batches must be (the rest of this module).
 
-Such runs (one process vs DDP / FSDP2 / HSDP, accumulation vs a bigger batch, a resharded resume) differ only in
+Two such runs (one process vs DDP / FSDP2 / HSDP, accumulation vs a bigger batch, a resharded resume) differ only in
 the order fp32 sums are taken: another split of the batch, another all-reduce, another SIMD kernel. What follows:
 
 - **Before the first update** the weights and the samples are identical, so a logged loss or gradient norm is
@@ -27,6 +29,46 @@ from collections.abc import Sequence
 
 import torch
 
+# --- one computation against stored numbers or another code path -------------------------------------------------
+# MKL, oneDNN and ATen choose their kernels per CPU (vendor, AVX2 / AVX-512 / AMX), per thread count and per shape,
+# and each kernel sums in its own order. Every result is still correctly rounded per operation, so two such runs
+# part by a few units in the last place: relative to the value, and, for a sum that cancels, relative to its terms
+# (an entry near zero keeps the absolute rounding of the large numbers it came from), which the largest entry of
+# the expected tensor stands for. Measured: an Intel Xeon's MKL against an AMD EPYC's, 1 ulp on a Linear layer's
+# output (65 of 1,920 entries of SmolVLA's state token).
+FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23: one float32 ulp at 1.0
+BFLOAT16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bfloat16 step at 1.0
+
+
+def ulps(count: float, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """``count`` units in the last place of ``dtype``, for :func:`assert_close`: relative to each expected entry
+    and to the largest one."""
+    eps = torch.finfo(dtype).eps
+    return {"rtol": count * eps, "magnitude_rtol": count * eps}
+
+
+# A float32 result of a few operations (a layer, a padded copy through arithmetic, an update) recomputed with other
+# kernels: the 1 ulp measured, and room for the handful of roundings a layer chains (8 ulps ~ 1e-6 relative).
+FLOAT32_ULPS = ulps(8)
+# A bfloat16 result: the accumulators are float32, but each output is rounded to bfloat16 once per operation, so a
+# last-place difference of the accumulators flips an entry by one bfloat16 step (0.4-0.8 % of it) where it lands
+# on a rounding boundary; the layers after it carry that step on. Two steps.
+BFLOAT16_STEP = ulps(2, torch.bfloat16)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, magnitude_rtol: float = 0.0,
+                 atol: float = 0.0, msg: str | None = None) -> None:
+    """``torch.testing.assert_close`` (in float64, any dtype pair) with the allowed difference of each entry
+    ``atol + rtol * |expected| + magnitude_rtol * max|expected|``. Shapes must match."""
+    actual, expected = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
+    assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
+    expected64 = expected.double()
+    scale = float(expected64.abs().max()) if expected64.numel() else 0.0
+    torch.testing.assert_close(actual.double(), expected64, rtol=rtol, atol=atol + magnitude_rtol * scale,
+                               msg=(lambda default: f"{msg}: {default}") if msg else None)
+
+
+# --- runs that train on the same global batches -------------------------------------------------------------------
 FIRST_UPDATE_RTOL = 1e-5
 NOISE_FRACTION = 1e-3
 # |Adam step| <= lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr with the default betas (0.9, 0.999).

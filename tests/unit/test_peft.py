@@ -23,6 +23,7 @@ from lerobot_mg.peft.build import load_base_policy
 from lerobot_mg.peft.lora import AdapterWeights, load_policy, wrap_with_lora
 from lerobot_mg.policies.act import ACTPolicy
 from lerobot_mg.preflight import preflight
+from tests.tolerances import FLOAT32_ULPS, assert_close
 from tests.unit.test_config import VALID, _compose, _train_config, _validation_error
 
 FEATURES_IN = {"observation.state": {"type": "STATE", "shape": [2]}}  # the PushT slice's
@@ -180,7 +181,9 @@ def test_adapter_file_has_peft_keys_and_loads_merged_or_not(base_dir: Path, tmp_
     assert type(merged) is ACTPolicy and type(unmerged).__name__ == "PeftModel"
     want = model.predict_action_chunk(batch)
     torch.testing.assert_close(merged.predict_action_chunk(batch), want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(unmerged.predict_action_chunk(batch), want, rtol=0, atol=0)
+    # Not bit for bit: the loaded adapter is frozen, the trained one requires grad, and torch's linear takes another
+    # kernel for a strided 3-D input then (an Intel CPU's MKL parts them by an ulp in 43 of 60 entries)
+    assert_close(unmerged.predict_action_chunk(batch), want, **FLOAT32_ULPS)
     assert (load_policy(base_dir).predict_action_chunk(batch) - want).abs().max() > 1e-3  # the adapter matters
 
 
@@ -251,8 +254,9 @@ def test_an_adapter_checkpoint_is_laid_out_as_lerobots_and_loads_with_peft(tmp_p
     batch = {"observation.state": torch.randn(3, 14), "observation.environment_state": torch.randn(3, 14)}
     want = model.predict_action_chunk(batch)
     by_peft = PeftModel.from_pretrained(load_policy(base_dir), str(adapter_dir)).eval()  # PEFT's own loader
-    assert torch.equal(by_peft.predict_action_chunk(batch), want)
-    assert torch.equal(load_policy(adapter_dir, merge_adapter=False).predict_action_chunk(batch), want)
+    # Frozen loaded adapters against the trainable one: another linear kernel may run (see the test above)
+    assert_close(by_peft.predict_action_chunk(batch), want, **FLOAT32_ULPS)
+    assert_close(load_policy(adapter_dir, merge_adapter=False).predict_action_chunk(batch), want, **FLOAT32_ULPS)
 
 
 def test_a_merged_adapter_checkpoint_is_a_plain_pretrained_model(tmp_path: Path) -> None:
