@@ -27,12 +27,14 @@ from lerobot_mg.accounting.throughput import (
     seconds,
     training_flops_per_sample,
 )
+from lerobot_mg.config.schema import LoggingConfig, WandbConfig
 from lerobot_mg.data.hub import resolve_dataset
-from lerobot_mg.distributed.parallel_dims import BatchArithmetic, Topology
+from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
 from lerobot_mg.policies.base import checkpoint_activations
 from lerobot_mg.preflight import check_dataset, meta_policy
 from lerobot_mg.run_facts import CodeRevision, Progress, RunFacts, from_dict
-from lerobot_mg.tracking import ProgressDisplay
+from lerobot_mg.step import StepLogs
+from lerobot_mg.tracking import ProgressDisplay, RunTracker
 from tests.unit.test_vla_presets import composed
 from tests.vla_preset_aids import PRESET_TEST_OVERRIDES, VLA_PRESETS, shared_vla_dataset
 
@@ -262,8 +264,7 @@ def test_compare_shows_each_runs_throughput_figures_side_by_side(tmp_path: Path)
         figures(10.0, 9.0, 8.0, 70.0), figures(200.0, 0.3, 0.25, 40.0), figures(220.0, 0.28, 0.24, 41.0),
         figures(240.0, 0.26, 0.2, 42.0)])
     # A ledger of an older version: "samples/s" and "gpu_peak_memory_gb", no phases, no FLOPs, no device.
-    old_facts = dataclasses.replace(facts(2, None, None))
-    old = write_run(tmp_path / "old", old_facts, [{"samples/s": 50.0, "gpu_peak_memory_gb": 12.5},
+    old = write_run(tmp_path / "old", facts(2, None, None), [{"samples/s": 50.0, "gpu_peak_memory_gb": 12.5},
                                                   {"samples/s": 100.0, "gpu_peak_memory_gb": 12.0}])
     throughput = run_throughput(read_ledger(new))
     assert throughput.samples_per_s == 220.0 and throughput.samples_per_s_per_device == 110.0
@@ -304,3 +305,26 @@ def test_facts_of_older_starts_read_back_and_flops_are_no_change_at_a_resume() -
     assert [change.name for change in other.changes_since(recorded)] == ["device"]
     assert recorded.describe()[-1] == ("model FLOPs per sample (forward + backward): 123 FLOP  device: NVIDIA H100 "
                                        "80GB HBM3, peak 989 TFLOP/s bf16")
+
+
+def test_the_tracker_records_mfu_against_the_recorded_peak(tmp_path: Path) -> None:
+    """The tracker's arithmetic in one process, with a GPU's peak in the facts (a CPU run records no MFU):
+    MFU = FLOPs per sample x samples/s per device / peak, and one process is its own slowest rank."""
+    run_facts = facts(1, 10**9, H100)
+    logging = LoggingConfig(wandb=WandbConfig(mode="disabled"), progress_bar=False)  # type: ignore[arg-type]
+    tracker = RunTracker(logging, 2, 2, run_facts, Progress(), ParallelDims.resolve(1, None, 1), tmp_path,
+                         torch.device("cpu"), {"job_name": "throughput"})
+    clock = StepClock(torch.device("cpu"))
+    for wait in (0.01, 0.03):
+        logs = StepLogs()
+        began = clock.mark()
+        logs.losses, logs.synced, logs.lr = {"loss": torch.tensor(1.0)}, True, 1e-4
+        logs.marks = (began, clock.mark(), clock.mark())
+        tracker.step_done(logs, torch.arange(8), wait)
+    tracker.close()
+    metrics = read_ledger(tmp_path).intervals[-1].metrics
+    assert metrics["mfu"] == model_flops_utilisation(10**9, metrics["samples_per_s_per_device"], 989e12)
+    assert metrics["samples_per_s_per_device"] == metrics["samples_per_s"]
+    assert metrics["dataloading_s"] == metrics["dataloading_s_rank0"] == pytest.approx(0.02, rel=1e-12)
+    for phase in ("preprocessing_s", "update_s"):
+        assert metrics[phase] == metrics[f"{phase}_rank0"] >= 0
