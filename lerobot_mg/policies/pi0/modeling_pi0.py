@@ -280,7 +280,7 @@ class PI0Policy(PreTrainedPolicy):
         if not present:
             raise ValueError(f"The {self.name} policy's batch holds none of its cameras {self.image_keys}; it has "
                              f"{sorted(batch)}.")
-        device = next(self.parameters()).device
+        device = self.model.action_in_proj.weight.device  # one parameter (next(parameters()) walks modules)
         resolution = tuple(int(size) for size in self.config.image_resolution)
         images, masks = [], []
         for key in present:
