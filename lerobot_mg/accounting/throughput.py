@@ -7,7 +7,8 @@ Where each is measured:
 - ``dataloading_s``: the host's wall time in ``next()`` on the DataLoader's iterator (lerobot_mg.train), the time the
   loop waited for its next batch.
 - ``preprocessing_s``: from the start of :meth:`lerobot_mg.step.Stepper.step` to the policy's forward: the
-  host-to-device copy of the batch, images to float and the preprocessor (normaliser, tokens, per-policy steps).
+  host-to-device copy of the batch, images to float and the preprocessor (the normaliser and the policy's other
+  processor steps; the VLAs tokenise their prompts in the DataLoader workers, which is data wait).
 - ``update_s``: from there to the end of the optimizer update: forward, backward, gradient reduction and clipping,
   ``optimizer.step``, ``zero_grad`` and the EMA update (the learning-rate scheduler's host-side step is left out).
 
