@@ -24,7 +24,6 @@ the device's dense (no sparsity) FLOP/s in the run's compute precision (:data:`P
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections.abc import Sequence
@@ -33,8 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-
-logger = logging.getLogger(__name__)
 
 Mark = float | torch.cuda.Event  # a point of a loop step: perf_counter seconds, or a recorded CUDA event
 
@@ -141,10 +138,6 @@ class _YesOnHostReads(TorchDispatchMode):
                 and args[0].dtype == torch.bool):
             return True
         return func(*args, **(kwargs or {}))
-
-
-def samples_per_second(num_samples: float, seconds: float) -> float:
-    return num_samples / max(seconds, 1e-9)
 
 
 def model_flops_utilisation(flops_per_sample: float, samples_per_s_per_device: float, peak: float) -> float:

@@ -23,12 +23,12 @@ from lerobot_mg.accounting.throughput import (
     model_flops_utilisation,
     peak_flops,
     peak_flops_of,
-    samples_per_second,
     seconds,
     training_flops_per_sample,
 )
 from lerobot_mg.config.schema import LoggingConfig, WandbConfig
 from lerobot_mg.data.hub import resolve_dataset
+from lerobot_mg.distributed.metrics import IntervalMetrics
 from lerobot_mg.distributed.parallel_dims import BatchArithmetic, ParallelDims, Topology
 from lerobot_mg.policies.base import checkpoint_activations
 from lerobot_mg.preflight import check_dataset, meta_policy
@@ -87,8 +87,18 @@ def test_the_precision_column_is_the_autocast_dtype_else_the_parameters_dtype() 
     assert compute_precision("no", model.to(torch.bfloat16)) == "bf16"  # a base stored in bfloat16
 
 
-def test_samples_per_second_and_mfu_arithmetic() -> None:
-    assert samples_per_second(64, 2.0) == 32.0
+def test_samples_per_second_are_the_intervals_samples_over_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = iter([100.0, 102.5, 103.0])  # the interval's start, its reduce, the next interval's start
+    monkeypatch.setattr("lerobot_mg.distributed.metrics.time.perf_counter", lambda: next(now))
+    interval = IntervalMetrics(ParallelDims.resolve(1, None, 1), torch.device("cpu"))
+    for _ in range(5):
+        interval.add({"loss": 1.0}, num_samples=8)
+    reduced, _ = interval.reduce()
+    assert reduced["samples_per_s"] == 40 / 2.5
+    assert "peak_device_memory_gb" not in reduced  # CUDA only
+
+
+def test_mfu_arithmetic() -> None:
     # 12.6 samples/s per GPU of a 9.84 TFLOP sample on an H100 SXM: 12.6 x 9.84e12 / 989e12.
     assert model_flops_utilisation(9.84e12, 12.6, 989e12) == pytest.approx(0.12536, rel=1e-4)
     assert model_flops_utilisation(1e9, 100.0, 1e12) == pytest.approx(0.1, rel=1e-15)
