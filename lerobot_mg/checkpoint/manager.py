@@ -50,6 +50,9 @@ from lerobot_mg.ema import ModelEMA
 from lerobot_mg.processors.mixture import save_source_processors
 
 logger = logging.getLogger(__name__)
+# torch 2.11's DefaultStager empties its copy table after each stage, so its second stage fails (KeyError: <class
+# 'type'>, on a dtype or an enum in the state); before the lock's torch 2.13 every state is staged by a new stager.
+_ONE_STAGE_PER_STAGER = torch.__version__ < (2, 13)
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,9 @@ class CheckpointManager:
         if self._stager is not None:  # a copy: training goes on changing the originals while the copy is written
             for item in large:
                 if item.copy:
+                    if _ONE_STAGE_PER_STAGER:
+                        self._stager.close()
+                        self._stager = DefaultStager(StagingOptions(False, False, False, False))
                     item.state = self._stager.stage(item.state)
                     staged_bytes += tensor_bytes(item.state)
         writes = [partial(item.write, item.state) for item in large]

@@ -91,7 +91,9 @@ class ToyPolicy(nn.Module):
         x_BW = self.encoder(batch["observation.state"])
         for block in self.blocks:
             x_BW = block(x_BW)
-        loss = F.mse_loss(self.head(x_BW).float(), batch["action"])
+        # Both in float32: FSDP2 casts the batch to param_dtype, and torch 2.11's mse_loss backward fails on a
+        # float32 input with a bfloat16 target (2.13 promotes the target, to the same numbers).
+        loss = F.mse_loss(self.head(x_BW).float(), batch["action"].float())
         return loss, {"mse": loss.detach()}
 
 

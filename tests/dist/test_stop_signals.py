@@ -49,7 +49,9 @@ _AGREE = textwrap.dedent("""
         watch.finish()
         watch.uninstall()
         results[name] = decisions
-    print("RESULT", rank, json.dumps(results), flush=True)
+    # One write for the whole line: unbuffered (PYTHONUNBUFFERED), print writes its parts one by one, and the
+    # other rank's line could land between them in the shared pipe.
+    sys.stdout.write(f"RESULT {rank} {json.dumps(results)}\\n")
     dist.destroy_process_group()
 """)
 
