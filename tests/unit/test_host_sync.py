@@ -117,6 +117,7 @@ def test_no_host_reads_on_steps_that_neither_log_nor_save(nproc: int, layout: li
 
 STEP_PROBE = '''
 import json, os, sys
+from pathlib import Path
 
 sys.path.insert(0, os.environ["REPO_ROOT"])
 from tests.host_sync_aids import HostSyncDetector
@@ -142,7 +143,6 @@ _close = CheckpointManager.close
 
 
 def close(self):
-    Path = __import__("pathlib").Path
     Path(os.environ["SYNC_FOUND"]).write_text(json.dumps(found))
     _close(self)
 
