@@ -15,6 +15,11 @@ from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lerobot_0_6_1"
 EPS = 1e-8  # LeRobot's normalizer eps: (x - mean) / (std + eps)
+# The recipe's torch.randn takes its Box-Muller logarithms and cosines from Sleef's vectorised kernels where ATen runs
+# with AVX2 or newer (LeRobot's machine, and the digests below), from libm where it runs its scalar kernels (DEFAULT:
+# a CPU without AVX2): there the draws part by float32 ulps (371 of 1,000, at most 1.2e-6), so the recipe's digests
+# can only match on the former. The comparisons of outputs, with their tolerances, hold on either (tests/README.md).
+RECIPE_IS_BIT_EXACT = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 def fixture_dir(name: str) -> Path:
@@ -59,8 +64,10 @@ def _recipe_value(key: str, shape: list[int]) -> torch.Tensor:
 def fixture_state_dict(name: str) -> dict[str, torch.Tensor]:
     """The fixture policy's state_dict in manifest order: act_state's stored model.safetensors; for the image
     models the PROVENANCE.md "Weights" recipe (constant_buffers.safetensors, else one generator per key seeded by
-    crc32(key)). Every tensor's sha256 is checked against the manifest."""
+    crc32(key)). Every tensor's sha256 is checked against the manifest (the recipe's where torch.randn can give
+    LeRobot's bits, ``RECIPE_IS_BIT_EXACT``)."""
     stored = pretrained_model_dir(name) / "model.safetensors"
+    constants: dict[str, torch.Tensor] = {}
     if stored.is_file():
         weights = load_file(str(stored))
     else:
@@ -73,7 +80,8 @@ def fixture_state_dict(name: str) -> dict[str, torch.Tensor]:
     for entry in manifest(name):
         tensor = weights[entry["key"]]
         assert list(tensor.shape) == entry["shape"], entry["key"]
-        assert sha256_of(tensor) == entry["sha256"], f"{entry['key']}: sha256 differs from the manifest"
+        if stored.is_file() or entry["key"] in constants or RECIPE_IS_BIT_EXACT:
+            assert sha256_of(tensor) == entry["sha256"], f"{entry['key']}: sha256 differs from the manifest"
         rebuilt[entry["key"]] = tensor
     assert weights.keys() == rebuilt.keys()
     return rebuilt

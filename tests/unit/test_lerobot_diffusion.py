@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from lerobot_mg.policies.diffusion import DiffusionConfig, DiffusionPolicy
 from lerobot_mg.policies.diffusion.modeling_diffusion import SpatialSoftmax
+from tests.lerobot_fixtures import RECIPE_IS_BIT_EXACT
 from tests.tolerances import FLOAT32_ULPS, assert_close
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lerobot_0_6_1" / "diffusion_image"
@@ -166,7 +167,8 @@ def test_state_dict_is_lerobots_and_the_recipe_rebuilds_every_tensor() -> None:
         assert (entry["key"] in buffers) == (entry["kind"] == "buffer"), entry["key"]
     assert sum(p.numel() for p in policy.parameters()) == manifest["n_parameters"]
     weights = recipe_weights(state_dict)
-    assert [e["key"] for e in manifest["keys"] if _sha256(weights[e["key"]]) != e["sha256"]] == []
+    if RECIPE_IS_BIT_EXACT:  # torch.randn's bits are LeRobot's only with ATen's AVX2 kernels (tests/lerobot_fixtures.py)
+        assert [e["key"] for e in manifest["keys"] if _sha256(weights[e["key"]]) != e["sha256"]] == []
     policy.load_state_dict(weights, strict=True)
     # The constructor computes LeRobot's pos_grid (numpy's linspace); stored from LeRobot's machine: up to ulps.
     constants = load_file(str(FIXTURE / "constant_buffers.safetensors"))
