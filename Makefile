@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Where dataset=embedded looks (conf/dataset/embedded.yaml): $LEROBOT_MG_CACHE or ~/.cache/lerobot_mg.
 EMBEDDED_ROOT ?= $${LEROBOT_MG_CACHE:-$$HOME/.cache/lerobot_mg}/datasets/aloha_transfer_cube
 
-.PHONY: setup lock test-latest train train-image train-vla train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
+.PHONY: setup lock test-latest test-matrix test-kernels gpu-check-prepare gpu-check-rehearse train train-image train-vla train-diffusion test test-fast bench lint clean-outputs slurm-local slurm-local-stop
 
 # The versions CI tested, pinned with hashes (make lock writes it): every package but torch, extras included.
 LOCK := requirements/lock.txt
@@ -89,6 +89,29 @@ test-latest:
 	    "torch==$$($(LATEST_PY) -c 'import torch; print(torch.__version__)')"
 	$(LATEST_PY) scripts/lock_moved.py $(LOCK)
 	OMP_NUM_THREADS=1 $(LATEST_PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS) $(PYTEST_ARGS)
+
+# The unit suite and the 1- and 2-rank distributed tests on the other Python/torch pairs the project claims: Python
+# 3.12 + torch 2.11.0 (the GPU image's pair) and Python 3.13 + torch 2.14.1, each in an ignored venv of its own
+# (.venv-matrix-*, several GB each: torch's CUDA build). Not in CI. MATRIX_PAIR=py312-torch2.11.0 runs one pair;
+# each pair's summary lands in outputs/test_matrix/<pair>/summary.txt.
+MATRIX_PAIR ?=
+test-matrix:
+	scripts/test_matrix.sh $(MATRIX_PAIR)
+
+# The numeric unit tests again under the kernels other CPUs choose (MKL's Intel code paths, AVX2 and scalar ATen,
+# oneDNN capped at AVX2, two threads), so a bit-exact comparison that only holds on this CPU fails here
+# (tests/README.md states the rule). Not in CI: `make test` is one CPU's kernels; this is the others'.
+test-kernels: setup
+	scripts/test_kernels.sh $(PYTEST_ARGS)
+
+# The GPU check (docs/gpu.md): the wheels the lent GPU machine lacks, into .whl/ (carried by the device call), and
+# its rehearsal on this CPU in .venv-gpu-image/, a venv with the GPU image's versions (CUDA parts: "skipped: no GPU").
+gpu-check-prepare:
+	bash scripts/prepare_gpu_check.sh
+
+gpu-check-rehearse: gpu-check-prepare
+	bash scripts/gpu_image_venv.sh
+	PY=.venv-gpu-image/bin/python bash scripts/gpu_check.sh
 
 # Every benchmark (each prints its figures beside their goals and writes outputs/bench/<script>.json), then
 # docs/benchmarks.md from those files.
