@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lerobot_mg.accounting.throughput import training_flops_per_sample
 from lerobot_mg.checkpoint.resume import ResumePoint, resume_point
 from lerobot_mg.config.choices import DatasetName, MixtureStats
 from lerobot_mg.config.loading import check_resume_request
@@ -70,6 +71,10 @@ class Preflight:
     memory: MemoryPlan  # per-rank bytes of the layout, from the meta-device policy
     # The training episodes as the run reads them, their dataset cache built (None for a plan or a SLURM submission)
     train_data: LeRobotDataset | MixtureDataset | None = None
+    # The model FLOPs of one training sample, counted on the same meta-device policy after the plan (RunFacts'
+    # flops_per_sample, which the MFU divides by); None where not counted (a plan, a submission, or an op that has
+    # no meta kernel)
+    flops_per_sample: int | None = None
 
 
 def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int = 0, launched: bool = False, *,
@@ -108,9 +113,19 @@ def preflight(cfg: TrainConfig, world_size: int, rank: int = 0, local_rank: int 
         check_fits(memory, memory_budget(memory.on_device, dims.local_rank))
     if cfg.plan:  # the printout says whether the plan fits
         memory = replace(memory, budget=plan_budget(cfg, memory, dims.local_rank))
-    train_data = open_training_data(cfg, dataset, split, policy, dims.local_rank, env) if (
-        on_this_machine and not cfg.plan) else None
-    return Preflight(dims, dataset, source, split, resume, memory, train_data)
+    trains_here = on_this_machine and not cfg.plan
+    train_data = open_training_data(cfg, dataset, split, policy, dims.local_rank, env) if trains_here else None
+    flops = count_flops_per_sample(policy, cfg.batch_size, dims.is_main_process) if trains_here else None
+    return Preflight(dims, dataset, source, split, resume, memory, train_data, flops)
+
+
+def count_flops_per_sample(meta_model: nn.Module, batch_size: int, is_main: bool) -> int | None:
+    """The model FLOPs of one training sample, counted on ``meta_model`` (the run's policy on the meta device, used
+    up by the count); None, said once on the main process, where they cannot be counted (no MFU then)."""
+    flops, how = training_flops_per_sample(meta_model, batch_size)
+    if flops is None and is_main:
+        logger.warning("Model FLOPs per sample %s: the ledger records no MFU.", how)
+    return flops
 
 
 def planned_world_size(cfg: TrainConfig, launched: int) -> int:

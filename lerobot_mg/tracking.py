@@ -31,7 +31,6 @@ from lerobot_mg.accounting.throughput import (
     compute_precision,
     model_flops_utilisation,
     peak_flops_of,
-    training_flops_per_sample,
 )
 from lerobot_mg.checkpoint.resume import ResumePoint
 from lerobot_mg.config.choices import MixtureStats
@@ -326,15 +325,6 @@ class ProgressDisplay:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-def count_flops_per_sample(meta_model: torch.nn.Module, batch_size: int, is_main: bool) -> int | None:
-    """The model FLOPs of one training sample (``RunFacts.flops_per_sample``), counted on ``meta_model`` (the run's
-    policy on the meta device); None, said once on the main process, where it cannot be counted (no MFU then)."""
-    flops, how = training_flops_per_sample(meta_model, batch_size)
-    if flops is None and is_main:
-        logger.warning("Model FLOPs per sample %s: the ledger records no MFU.", how)
-    return flops
 
 
 def device_facts(device: torch.device, mixed_precision: str, model: torch.nn.Module) -> dict[str, Any]:

@@ -39,13 +39,13 @@ from lerobot_mg.launch.sweep import SweepJob
 from lerobot_mg.optim import apply_optimizer_config, describe_schedule, make_optimizer, make_scheduler
 from lerobot_mg.peft.build import build_policy, describe_finetune, processors_dir
 from lerobot_mg.peft.lora import AdapterWeights
-from lerobot_mg.preflight import meta_policy, preflight
+from lerobot_mg.preflight import preflight
 from lerobot_mg.processors import camera_keys, processors_for
 from lerobot_mg.processors.language import worker_language
 from lerobot_mg.processors.mixture import normalise_sources
 from lerobot_mg.run_facts import Progress, ResumeCause, RunFacts
 from lerobot_mg.step import make_ema
-from lerobot_mg.tracking import RunTracker, count_flops_per_sample, device_facts, log_resume, print_banner
+from lerobot_mg.tracking import RunTracker, device_facts, log_resume, print_banner
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,6 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
     preemption = PreemptionWatch(dims, cfg.accelerator.gradient_accumulation.steps, group_timeout)  # collective
 
     policy = build_policy(cfg, meta.features)  # fresh, the base at policy.path, or that base under LoRA
-    # Once per start, on a meta-device copy: the model FLOPs of a training sample, which the MFU divides by.
-    flops_per_sample = count_flops_per_sample(meta_policy(cfg, meta), cfg.batch_size, dims.is_main_process)
     # Only what the policy reads is decoded (and checked at start-up): cameras it does not use may be missing.
     dataset = checked.train_data  # opened by the preflight, which built its dataset cache before any process group
     assert dataset is not None
@@ -114,7 +112,7 @@ def train(cfg: TrainConfig, composed: DictConfig | None = None, sweep_job: Sweep
         resumed=None if resume is None else (resume.step_dir, resume.facts),
         resume_cause=sweep_job.resume_cause if sweep_job is not None else ResumeCause.REQUESTED,
         dataset_source=None if checked.dataset_source is None else asdict(checked.dataset_source),
-        mixture=mixture and mixture.facts(), flops_per_sample=flops_per_sample,
+        mixture=mixture and mixture.facts(), flops_per_sample=checked.flops_per_sample,
         device=device_facts(accelerator.device, cfg.accelerator.mixed_precision, policy))
     train_config = {**train_config_to_dict(cfg), "output_dir": str(output_dir), DERIVED_KEY: asdict(facts)}
     if dims.is_main_process:

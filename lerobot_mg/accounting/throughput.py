@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 Mark = float | torch.cuda.Event  # a point of a loop step: perf_counter seconds, or a recorded CUDA event
 
@@ -106,8 +107,6 @@ def training_flops_per_sample(meta_model: nn.Module, batch_size: int) -> tuple[i
     their forward in backward (activation checkpointing) run it once here, so the count holds no recomputation.
     ``meta_model`` is used up (its checkpointing is removed). None, with the reason, when the policy has no
     ``example_batch`` or its step does not run on the meta device."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     make_batch = getattr(meta_model, "example_batch", None)
     if make_batch is None:
         return None, f"not counted: {type(meta_model).__name__} has no example_batch"
