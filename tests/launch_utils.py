@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import resource
 import signal
 import socket
@@ -60,8 +61,33 @@ def shared_by_workers(tmp_path_factory: pytest.TempPathFactory, name: str) -> It
         yield path
 
 
+def _ports_of_this_worker() -> range:
+    """The ports this pytest worker's rendezvous stores take: below the kernel's ephemeral range, which every
+    outgoing connection (gloo's own pairs among them) draws from, so a port found free is not handed to a socket of
+    another test before the store binds it; one slice per xdist worker, so that two workers never pick the same."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    first, width = 10_000, 1_000
+    start = first + (index % max((low - first) // width, 1)) * width
+    return range(start, min(start + width, low))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a launch's rendezvous (MASTER_PORT)."""
+    ports = list(_ports_of_this_worker())
+    random.Random().shuffle(ports)  # its own generator: a test that seeds the global one picks no fixed port
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every port of the slice taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
